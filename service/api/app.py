@@ -1,0 +1,84 @@
+"""The FastAPI application. Boot is explicit: database, migrations, store, reconciler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime
+
+from fastapi import FastAPI, Request, status
+from fastapi.responses import JSONResponse
+
+from service.api import health, jobs, nodes
+from service.db import make_engine, make_session_factory, upgrade_to_head, wait_for_database
+from service.errors import Conflict, NotFound
+from service.reconciler import Reconciler, utcnow
+from service.settings import ControllerSettings
+from service.states import InvalidTransition
+from service.store import StoreSupervisor
+
+logger = logging.getLogger(__name__)
+API_PREFIX = "/api/v1"
+
+
+def create_app(
+    settings: ControllerSettings,
+    *,
+    clock: Callable[[], datetime] = utcnow,
+    run_background: bool = True,
+) -> FastAPI:
+    """Build the app. With ``run_background`` the lifespan also hosts the rendezvous
+    store and runs the reconciler; tests of the API alone turn that off."""
+    engine = make_engine(settings.db_url)
+    factory = make_session_factory(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        wait_for_database(engine)
+        upgrade_to_head(settings.db_url)
+        settings.snapshots.mkdir(parents=True, exist_ok=True)
+        store = StoreSupervisor(settings.store_host, settings.store_port)
+        reconciler = Reconciler(factory, settings, clock)
+        if run_background:
+            store.start()
+            reconciler.start()
+        logger.info("controller ready on %s:%s", settings.host, settings.port)
+        try:
+            yield
+        finally:
+            reconciler.stop()
+            store.stop()
+            engine.dispose()
+
+    app = FastAPI(
+        title="relaunch",
+        version="0.1.0",
+        description="Fault-tolerant, elastic training service for PyTorch",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.session_factory = factory
+    app.state.clock = clock
+    app.state.engine = engine
+    app.include_router(health.router)
+    for router in (jobs.router, nodes.router):
+        app.include_router(router, prefix=API_PREFIX)
+    _map_errors(app)
+    return app
+
+
+def _map_errors(app: FastAPI) -> None:
+    """The one place where domain errors become HTTP answers."""
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_404_NOT_FOUND, content={"detail": str(exc)})
+
+    @app.exception_handler(Conflict)
+    async def conflict(_: Request, exc: Conflict) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_409_CONFLICT, content={"detail": str(exc)})
+
+    @app.exception_handler(InvalidTransition)
+    async def invalid(_: Request, exc: InvalidTransition) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_409_CONFLICT, content={"detail": str(exc)})

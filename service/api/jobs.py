@@ -1,0 +1,203 @@
+"""Routes for jobs: submit, watch, cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
+from sqlalchemy.orm import Session
+
+from service import jobs
+from service.api.deps import NowDep, SessionDep
+from service.models import Attempt, Job, Node
+from service.schemas import (
+    AttemptPublic,
+    EventPublic,
+    EventsPublic,
+    JobCreate,
+    JobDetail,
+    JobPublic,
+    JobSpec,
+    JobsPublic,
+    LogPublic,
+    LogsPublic,
+    MemberPublic,
+    MetricPublic,
+    MetricsPublic,
+    SnapshotPublic,
+    SnapshotsPublic,
+)
+from service.states import JobState
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+Limit = Annotated[int, Query(ge=1, le=1000, description="At most this many items")]
+AfterId = Annotated[int, Query(ge=0, description="Only items with a larger id (for polling)")]
+
+
+def job_public(job: Job) -> JobPublic:
+    spec = JobSpec.model_validate(job.spec)
+    return JobPublic(
+        id=job.id,
+        name=job.name,
+        state=job.state,
+        spec=spec,
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        attempt_count=job.attempt_count,
+        restart_count=job.restart_count,
+        world_size=job.world_size,
+        last_step=job.last_step,
+        total_steps=job.total_steps,
+        last_loss=job.last_loss,
+        message=job.message,
+    )
+
+
+def attempt_public(session: Session, attempt: Attempt) -> AttemptPublic:
+    members = []
+    for m in attempt.members:
+        node = session.get(Node, m.node_id)
+        members.append(
+            MemberPublic(
+                node_id=m.node_id,
+                node_name=node.name if node else str(m.node_id),
+                state=m.state,
+                joined_at=m.joined_at,
+                left_at=m.left_at,
+                exit_code=m.exit_code,
+            )
+        )
+    return AttemptPublic(
+        id=attempt.id,
+        number=attempt.number,
+        rdzv_id=attempt.rdzv_id,
+        rdzv_endpoint=attempt.rdzv_endpoint,
+        state=attempt.state,
+        world_size=attempt.world_size,
+        created_at=attempt.created_at,
+        ended_at=attempt.ended_at,
+        result=attempt.result,
+        members=members,
+    )
+
+
+@router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
+def submit(body: JobCreate, session: SessionDep, now: NowDep) -> JobPublic:
+    job = jobs.submit_job(session, body, now)
+    return job_public(job)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    session: SessionDep,
+    state: JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> JobsPublic:
+    items, total = jobs.list_jobs(session, state, limit, offset)
+    return JobsPublic(items=[job_public(j) for j in items], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobDetail)
+def get_job(job_id: int, session: SessionDep) -> JobDetail:
+    job = jobs.get_job(session, job_id)
+    attempts = [attempt_public(session, a) for a in jobs.job_attempts(session, job_id)]
+    return JobDetail(**job_public(job).model_dump(), attempts=attempts)
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel(job_id: int, session: SessionDep, now: NowDep) -> JobPublic:
+    return job_public(jobs.cancel_job(session, job_id, now))
+
+
+@router.get("/{job_id}/events", response_model=EventsPublic)
+def events(
+    job_id: int, session: SessionDep, after_id: AfterId = 0, limit: Limit = 500
+) -> EventsPublic:
+    rows = jobs.job_events(session, job_id, after_id, limit)
+    return EventsPublic(
+        items=[
+            EventPublic(
+                id=e.id,
+                time=e.time,
+                kind=e.kind,
+                message=e.message,
+                attempt_id=e.attempt_id,
+                node_id=e.node_id,
+                data=e.data,
+            )
+            for e in rows
+        ]
+    )
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+def metrics(
+    job_id: int, session: SessionDep, after_id: AfterId = 0, limit: Limit = 1000
+) -> MetricsPublic:
+    rows = jobs.job_metrics(session, job_id, after_id, limit)
+    return MetricsPublic(
+        items=[
+            MetricPublic(
+                id=m.id,
+                time=m.time,
+                attempt_id=m.attempt_id,
+                step=m.step,
+                epoch=m.epoch,
+                loss=m.loss,
+                samples_per_s=m.samples_per_s,
+                world_size=m.world_size,
+            )
+            for m in rows
+        ]
+    )
+
+
+@router.get("/{job_id}/logs", response_model=LogsPublic)
+def logs(
+    job_id: int,
+    session: SessionDep,
+    after_id: AfterId = 0,
+    limit: Limit = 1000,
+    local_rank: Annotated[int | None, Query(ge=0)] = None,
+    node_id: Annotated[int | None, Query(ge=0)] = None,
+) -> LogsPublic:
+    rows = jobs.job_logs(session, job_id, after_id, limit, local_rank, node_id)
+    return LogsPublic(
+        items=[
+            LogPublic(
+                id=r.id,
+                time=r.time,
+                attempt_id=r.attempt_id,
+                node_id=r.node_id,
+                local_rank=r.local_rank,
+                stream=r.stream,
+                line=r.line,
+            )
+            for r in rows
+        ]
+    )
+
+
+@router.get("/{job_id}/snapshots", response_model=SnapshotsPublic)
+def snapshots(job_id: int, session: SessionDep) -> SnapshotsPublic:
+    rows = jobs.job_snapshots(session, job_id)
+    return SnapshotsPublic(
+        items=[
+            SnapshotPublic(
+                id=s.id,
+                attempt_id=s.attempt_id,
+                step=s.step,
+                epoch=s.epoch,
+                path=s.path,
+                bytes=s.bytes,
+                created_at=s.created_at,
+            )
+            for s in rows
+        ]
+    )

@@ -1,0 +1,182 @@
+"""Attempts (one launch of a job = one rendezvous id) and their member nodes."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.errors import StaleState
+from service.jobs import add_event
+from service.models import Attempt, AttemptMember, Job, Node
+from service.schemas import JobSpec
+from service.settings import ControllerSettings
+from service.states import (
+    ATTEMPT_TRANSITIONS,
+    MEMBER_TRANSITIONS,
+    AttemptState,
+    MemberState,
+    check_transition,
+)
+from worker.protocol import Assignment, Entrypoint, RendezvousConfig
+from worker.tasks.registry import TASKS, task_args
+
+logger = logging.getLogger(__name__)
+
+
+def rdzv_id_for(job_id: int, number: int) -> str:
+    return f"relaunch-job{job_id}-attempt{number}"
+
+
+def snapshot_dir_for(settings: ControllerSettings, job_id: int) -> Path:
+    """Every attempt of a job resumes from the same directory under the fixed root."""
+    return settings.snapshots / f"job-{job_id}"
+
+
+def running_attempt(session: Session, job_id: int) -> Attempt | None:
+    stmt = select(Attempt).where(Attempt.job_id == job_id, Attempt.state == AttemptState.RUNNING)
+    return session.scalars(stmt).one_or_none()
+
+
+def create_attempt(
+    session: Session, job: Job, nodes: list[Node], settings: ControllerSettings, now: datetime
+) -> Attempt:
+    number = job.attempt_count + 1
+    attempt = Attempt(
+        job_id=job.id,
+        number=number,
+        rdzv_id=rdzv_id_for(job.id, number),
+        rdzv_endpoint=settings.store_endpoint,
+        state=AttemptState.RUNNING,
+        started_count=0,
+        created_at=now,
+        result="",
+    )
+    session.add(attempt)
+    job.attempt_count = number
+    session.flush()
+    for node in nodes:
+        add_member(session, attempt, node, now)
+    return attempt
+
+
+def add_member(session: Session, attempt: Attempt, node: Node, now: datetime) -> AttemptMember:
+    member = AttemptMember(
+        attempt_id=attempt.id, node_id=node.id, state=MemberState.ACTIVE, joined_at=now
+    )
+    session.add(member)
+    session.flush()
+    return member
+
+
+def active_members(session: Session, attempt_id: int) -> list[AttemptMember]:
+    stmt = select(AttemptMember).where(
+        AttemptMember.attempt_id == attempt_id, AttemptMember.state == MemberState.ACTIVE
+    )
+    return list(session.scalars(stmt))
+
+
+def find_member(session: Session, attempt_id: int, node_id: int) -> AttemptMember | None:
+    """The node's newest membership of the attempt."""
+    stmt = (
+        select(AttemptMember)
+        .where(AttemptMember.attempt_id == attempt_id, AttemptMember.node_id == node_id)
+        .order_by(AttemptMember.id.desc())
+        .limit(1)
+    )
+    return session.scalars(stmt).first()
+
+
+def end_member(
+    session: Session,
+    member: AttemptMember,
+    new: MemberState,
+    now: datetime,
+    exit_code: int | None = None,
+) -> bool:
+    """ACTIVE → LEFT/EXITED with compare-and-set; False if it had already ended."""
+    if member.state is not MemberState.ACTIVE:
+        return False
+    check_transition(MEMBER_TRANSITIONS, member.state, new)
+    result = session.execute(
+        update(AttemptMember)
+        .where(AttemptMember.id == member.id, AttemptMember.state == MemberState.ACTIVE)
+        .values(state=new, left_at=now, exit_code=exit_code)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    member.state, member.left_at, member.exit_code = new, now, exit_code
+    return True
+
+
+def end_attempt(
+    session: Session, attempt: Attempt, new: AttemptState | str, now: datetime, result: str
+) -> None:
+    """End a running attempt and every membership still active in it."""
+    new = AttemptState(new)
+    check_transition(ATTEMPT_TRANSITIONS, attempt.state, new)
+    res = session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt.id, Attempt.state == AttemptState.RUNNING)
+        .values(state=new, ended_at=now, result=result)
+        .execution_options(synchronize_session=False)
+    )
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleState(f"attempt {attempt.id} is no longer running")
+    attempt.state, attempt.ended_at, attempt.result = new, now, result
+    for member in active_members(session, attempt.id):
+        end_member(session, member, MemberState.LEFT, now)
+    logger.info("job=%s attempt=%s ended %s: %s", attempt.job_id, attempt.id, new, result)
+
+
+def drop_member(session: Session, member: AttemptMember, now: datetime, why: str) -> None:
+    node = session.get(Node, member.node_id)
+    if end_member(session, member, MemberState.LEFT, now):
+        attempt = session.get(Attempt, member.attempt_id)
+        assert attempt is not None
+        add_event(
+            session,
+            attempt.job_id,
+            "node_left",
+            f"node {node.name if node else member.node_id} left attempt {attempt.number}: {why}",
+            now,
+            attempt_id=attempt.id,
+            node_id=member.node_id,
+        )
+
+
+def entrypoint_for(spec: JobSpec) -> Entrypoint:
+    if spec.task is not None:
+        info = TASKS[spec.task.name]
+        return Entrypoint(module=info.module, args=task_args(spec.task.name, spec.task.params))
+    assert spec.script is not None  # JobSpec guarantees exactly one
+    return Entrypoint(module=spec.script.module, script=spec.script.path, args=spec.script.args)
+
+
+def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> Assignment:
+    spec = JobSpec.model_validate(job.spec)
+    return Assignment(
+        attempt_id=attempt.id,
+        job_id=job.id,
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        max_restarts=spec.max_restarts,
+        rendezvous=RendezvousConfig(
+            endpoint=attempt.rdzv_endpoint,
+            rdzv_id=attempt.rdzv_id,
+            last_call_timeout_s=settings.rdzv_last_call_timeout_s,
+            join_timeout_s=settings.rdzv_join_timeout_s,
+            keep_alive_interval_s=settings.rdzv_keep_alive_interval_s,
+            keep_alive_max_attempt=settings.rdzv_keep_alive_max_attempt,
+        ),
+        entrypoint=entrypoint_for(spec),
+        env=spec.env,
+        snapshot_dir=str(snapshot_dir_for(settings, job.id)),
+        snapshot_every_steps=spec.snapshot.every_steps,
+        snapshot_every_epochs=spec.snapshot.every_epochs,
+    )

@@ -1,0 +1,313 @@
+"""The ``relaunch`` command: controller, node agent, and a client of the REST API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from service.client import ApiError, RelaunchClient
+
+app = typer.Typer(
+    help="relaunch: fault-tolerant, elastic training service for PyTorch",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+UrlOption = Annotated[
+    str,
+    typer.Option("--url", envvar="RELAUNCH_URL", help="Controller URL"),
+]
+DEFAULT_URL = "http://127.0.0.1:8080"
+STATE_COLOURS = {
+    "PENDING": "yellow",
+    "RUNNING": "green",
+    "RESTARTING": "magenta",
+    "SUCCEEDED": "bold green",
+    "FAILED": "bold red",
+    "CANCELLED": "dim",
+}
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _fail(message: str) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+@app.command()
+def server(
+    host: Annotated[str | None, typer.Option(help="Listen address")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port")] = None,
+    log_level: Annotated[str, typer.Option()] = "info",
+) -> None:
+    """Run the controller: REST API, reconciler and rendezvous store.
+
+    Configured by RELAUNCH_* environment variables (see the README); DATABASE_URL
+    selects PostgreSQL instead of the embedded SQLite file.
+    """
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.settings import ControllerSettings
+
+    _setup_logging(log_level)
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    try:
+        settings = ControllerSettings(**overrides)
+    except ValidationError as exc:
+        raise _fail(f"bad controller settings:\n{exc}") from exc
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level.lower(),
+        access_log=False,
+    )
+
+
+@app.command()
+def agent(
+    controller: Annotated[
+        str, typer.Option(envvar="RELAUNCH_AGENT_CONTROLLER_URL", help="Controller URL")
+    ] = DEFAULT_URL,
+    name: Annotated[str | None, typer.Option(help="Node name (unique)")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Address other nodes use to reach this one")
+    ] = None,
+    slots: Annotated[int | None, typer.Option(help="Worker processes this node takes")] = None,
+    work_dir: Annotated[Path | None, typer.Option(help="Agent state directory")] = None,
+    log_level: Annotated[str, typer.Option()] = "info",
+) -> None:
+    """Run a node agent: register with the controller and run what it assigns."""
+    from worker.agent import run_agent
+
+    from worker.settings import AgentSettings
+
+    _setup_logging(log_level)
+    overrides: dict[str, Any] = {"controller_url": controller}
+    for key, value in (
+        ("name", name),
+        ("address", address),
+        ("slots", slots),
+        ("work_dir", work_dir),
+    ):
+        if value is not None:
+            overrides[key] = value
+    try:
+        settings = AgentSettings(**overrides)
+    except ValidationError as exc:
+        raise _fail(f"bad agent settings:\n{exc}") from exc
+    run_agent(settings)
+
+
+def _load_spec_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise _fail(f"cannot read {path}: {exc}") from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise _fail(f"{path} is not valid {kind}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise _fail(f"{path} must hold a mapping (the job spec)")
+    return data
+
+
+def _parse_params(pairs: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise _fail(f"--param takes KEY=VALUE, got {pair!r}")
+        try:
+            params[key] = json.loads(raw)
+        except ValueError:
+            params[key] = raw
+    return params
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[
+        Path | None, typer.Argument(help="A job spec as YAML or JSON (flags override it)")
+    ] = None,
+    name: Annotated[str | None, typer.Option()] = None,
+    task: Annotated[str | None, typer.Option(help="A built-in task by name")] = None,
+    param: Annotated[list[str] | None, typer.Option(help="Task parameter KEY=VALUE")] = None,
+    script: Annotated[str | None, typer.Option(help="Absolute path of a torchrun script")] = None,
+    module: Annotated[str | None, typer.Option(help="A module to run as python -m")] = None,
+    arg: Annotated[list[str] | None, typer.Option(help="Argument of the script/module")] = None,
+    nnodes: Annotated[str | None, typer.Option(help="'N' or 'MIN:MAX'")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option()] = None,
+    max_restarts: Annotated[int | None, typer.Option()] = None,
+    snapshot_every_steps: Annotated[int | None, typer.Option()] = None,
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Submit a job; prints its id."""
+    spec: dict[str, Any] = _load_spec_file(spec_file) if spec_file else {}
+    if name:
+        spec["name"] = name
+    if task:
+        spec["task"] = {"name": task, "params": _parse_params(param or [])}
+    if script or module:
+        spec["script"] = {"path": script, "module": module, "args": arg or []}
+    for key, value in (
+        ("nnodes", nnodes),
+        ("nproc_per_node", nproc_per_node),
+        ("max_restarts", max_restarts),
+    ):
+        if value is not None:
+            spec[key] = value
+    if snapshot_every_steps is not None:
+        spec.setdefault("snapshot", {})["every_steps"] = snapshot_every_steps
+    with RelaunchClient(url) as client:
+        try:
+            job = client.submit(spec)
+        except ApiError as exc:
+            raise _fail(f"the controller refused the job: {exc}") from exc
+    console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), state {job['state']}")
+
+
+def _state_text(state: str) -> str:
+    return f"[{STATE_COLOURS.get(state, 'white')}]{state}[/]"
+
+
+@app.command()
+def jobs(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state")] = None,
+    limit: Annotated[int, typer.Option()] = 50,
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """List jobs, newest first."""
+    with RelaunchClient(url) as client:
+        try:
+            page = client.jobs(state=state, limit=limit)
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    table = Table("id", "name", "state", "nodes", "world", "step", "loss", "restarts")
+    for job in page["items"]:
+        table.add_row(
+            str(job["id"]),
+            job["name"],
+            _state_text(job["state"]),
+            f"{job['min_nodes']}:{job['max_nodes']}",
+            str(job["world_size"] or "-"),
+            f"{job['last_step'] or 0}/{job['total_steps'] or '?'}",
+            f"{job['last_loss']:.4f}" if job["last_loss"] is not None else "-",
+            str(job["restart_count"]),
+        )
+    console.print(table)
+    console.print(f"{len(page['items'])} of {page['total']} job(s)")
+
+
+def print_timeline(events: list[dict[str, Any]]) -> None:
+    table = Table("time", "event", "what happened", title="timeline")
+    for event in events:
+        table.add_row(event["time"][11:23], event["kind"], event["message"])
+    console.print(table)
+
+
+@app.command()
+def status(
+    job_id: Annotated[int, typer.Argument()],
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Show one job: state, progress, attempts and timeline."""
+    with RelaunchClient(url) as client:
+        try:
+            job = client.job(job_id)
+            events = client.events(job_id)
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    console.print(
+        f"job [bold]{job['id']}[/] {job['name']}: {_state_text(job['state'])}  "
+        f"step {job['last_step'] or 0}/{job['total_steps'] or '?'}  "
+        f"world size {job['world_size'] or '-'}  restarts {job['restart_count']}"
+    )
+    if job["message"]:
+        console.print(f"message: {job['message']}")
+    for attempt in job["attempts"]:
+        nodes = ", ".join(f"{m['node_name']}({m['state'].lower()})" for m in attempt["members"])
+        console.print(f"  attempt {attempt['number']} {attempt['state']}: {nodes}")
+    print_timeline(events)
+
+
+@app.command()
+def logs(
+    job_id: Annotated[int, typer.Argument()],
+    follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Print a job's log lines (node, local rank, line); --follow keeps polling."""
+    after = 0
+    with RelaunchClient(url) as client:
+        while True:
+            try:
+                lines = client.logs(job_id, after_id=after)
+            except ApiError as exc:
+                raise _fail(str(exc)) from exc
+            for line in lines:
+                rank = "-" if line["local_rank"] is None else line["local_rank"]
+                typer.echo(f"[node {line['node_id']} rank {rank}] {line['line']}")
+                after = line["id"]
+            if not follow:
+                return
+            if not lines:
+                if client.job(job_id)["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    return
+                time.sleep(1.0)
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[int, typer.Argument()],
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Cancel a job (cancelling an ended job changes nothing)."""
+    with RelaunchClient(url) as client:
+        try:
+            job = client.cancel(job_id)
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    console.print(f"job {job['id']}: {_state_text(job['state'])}")
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(help="Controller port")] = 8080,
+    keep_running: Annotated[
+        bool | None,
+        typer.Option(help="Keep the controller up at the end (default: when on a terminal)"),
+    ] = None,
+) -> None:
+    """Start a controller and two node agents, train a job, kill a worker, watch it recover."""
+    from service.demo import run_demo
+
+    raise typer.Exit(code=run_demo(console, port=port, keep_running=keep_running))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,254 @@
+"""``relaunch demo``: a controller, two node agents, a job, a killed worker, a recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from service.client import ApiError, RelaunchClient
+
+DEMO_SPEC: dict[str, Any] = {
+    "name": "demo-charlm",
+    "task": {"name": "charlm", "params": {"epochs": 3, "seed": 7}},
+    "nnodes": "2:2",
+    "nproc_per_node": 1,
+    "max_restarts": 3,
+    "snapshot": {"every_steps": 10},
+}
+KILL_AT_FRACTION = 0.4
+
+
+def job_worker_processes(job_id: int) -> list[psutil.Process]:
+    """Training processes of a job on this machine (not launchers or agents)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "worker.launch" in cmd or "torch.distributed.run" in cmd:
+                continue
+            if proc.environ().get("RELAUNCH_JOB_ID") == str(job_id):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def job_processes(job_id: int) -> list[psutil.Process]:
+    """Every process on this machine that carries the job's id (launchers and workers)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("RELAUNCH_JOB_ID") == str(job_id):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@dataclass
+class LocalCluster:
+    """A controller and node agents as real processes on this machine."""
+
+    data_dir: Path
+    port: int
+    store_port: int
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log_dir = self.log_dir or self.data_dir
+        log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", *args],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def start_controller(self, extra_env: dict[str, str] | None = None) -> None:
+        env = {
+            "RELAUNCH_DATA_DIR": str(self.data_dir),
+            "RELAUNCH_PORT": str(self.port),
+            "RELAUNCH_STORE_PORT": str(self.store_port),
+            **(extra_env or {}),
+        }
+        self._spawn("controller", ["server"], env)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with RelaunchClient(self.url, timeout_s=2.0) as client:
+            while True:
+                try:
+                    client.health()
+                    return
+                except Exception as exc:
+                    proc = self.procs.get("controller")
+                    if proc is not None and proc.poll() is not None:
+                        raise RuntimeError("the controller exited; see controller.log") from exc
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the controller did not become healthy") from exc
+                    time.sleep(0.2)
+
+    def start_agent(self, name: str) -> None:
+        work = self.data_dir / "agents" / name
+        work.mkdir(parents=True, exist_ok=True)
+        self._spawn(
+            name,
+            ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)],
+            {},
+        )
+
+    def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with RelaunchClient(self.url) as client:
+            while sum(n["state"] == "ALIVE" for n in client.nodes()) < count:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fewer than {count} nodes registered")
+                time.sleep(0.2)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name in [n for n in self.procs if n != "controller"]:
+            self.stop(name)
+        self.stop("controller")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _ts(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+def run_demo(console: Console, port: int = 8080, keep_running: bool | None = None) -> int:
+    if keep_running is None:
+        keep_running = sys.stdout.isatty()
+    data_dir = Path(tempfile.mkdtemp(prefix="relaunch-demo-"))
+    cluster = LocalCluster(data_dir=data_dir, port=port, store_port=free_port())
+    console.print(f"[bold]relaunch demo[/]  (state and logs in {data_dir})")
+    try:
+        with console.status("starting the controller (SQLite, migrations, rendezvous store)"):
+            cluster.start_controller()
+        with console.status("starting two node agents"):
+            cluster.start_agent("node-a")
+            cluster.start_agent("node-b")
+            cluster.wait_nodes(2)
+        return _drive(console, cluster, keep_running)
+    except (RuntimeError, ApiError) as exc:
+        console.print(f"[bold red]demo failed:[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        with console.status("stopping agents and controller"):
+            cluster.stop_all()
+
+
+def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
+    with RelaunchClient(cluster.url) as client:
+        submitted_at = time.time()
+        job_id = client.submit(DEMO_SPEC)["id"]
+        console.print(f"submitted job {job_id}: {DEMO_SPEC['task']}, nnodes {DEMO_SPEC['nnodes']}")
+        killed_at: float | None = None
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        with progress:
+            bar = progress.add_task("waiting for placement", total=None, info="")
+            while True:
+                job = client.job(job_id)
+                step, total = job["last_step"] or 0, job["total_steps"]
+                loss = f"loss {job['last_loss']:.3f}" if job["last_loss"] is not None else ""
+                progress.update(
+                    bar,
+                    description=f"job {job_id} {job['state']:<10}",
+                    completed=step,
+                    total=total,
+                    info=f"{loss} world {job['world_size'] or '-'} restarts {job['restart_count']}",
+                )
+                if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    break
+                if killed_at is None and total and step >= KILL_AT_FRACTION * total:
+                    victims = job_worker_processes(job_id)
+                    if victims:
+                        victim = victims[-1]
+                        victim.send_signal(signal.SIGKILL)
+                        killed_at = time.time()
+                        progress.console.print(
+                            f"[bold red]SIGKILL[/] worker pid {victim.pid} at step {step}"
+                        )
+                time.sleep(0.3)
+        events = client.events(job_id)
+        metrics = client.metrics(job_id)
+    from service.cli import print_timeline
+
+    print_timeline(events)
+    _print_figures(console, job, submitted_at, killed_at, metrics)
+    console.print(f"API: {cluster.url}/api/v1/jobs/{job_id}   docs: {cluster.url}/docs")
+    if keep_running and job["state"] == "SUCCEEDED":
+        console.print("the controller keeps running; press Ctrl-C to stop")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0 if job["state"] == "SUCCEEDED" else 1
+
+
+def _print_figures(
+    console: Console,
+    job: dict[str, Any],
+    submitted_at: float,
+    killed_at: float | None,
+    metrics: list[dict[str, Any]],
+) -> None:
+    console.print(f"job {job['id']} {job['state']} after {job['restart_count']} restart(s)")
+    if metrics:
+        console.print(f"submit → first step: {_ts(metrics[0]['time']) - submitted_at:.1f} s")
+    if killed_at is not None:
+        after = [m for m in metrics if _ts(m["time"]) > killed_at]
+        if after:
+            console.print(
+                f"worker kill → resumed training: {_ts(after[0]['time']) - killed_at:.1f} s"
+            )
+    if job["finished_at"]:
+        console.print(f"total run time: {_ts(job['finished_at']) - submitted_at:.1f} s")

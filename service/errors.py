@@ -1,0 +1,23 @@
+"""The domain's exceptions; ``service.api.app`` maps them to HTTP in one place."""
+
+from __future__ import annotations
+
+
+class RelaunchError(Exception):
+    """Base of every error the controller raises on purpose."""
+
+
+class NotFound(RelaunchError):
+    """The named job, node or attempt does not exist (HTTP 404)."""
+
+
+class Conflict(RelaunchError):
+    """The request is valid but the current state does not allow it (HTTP 409)."""
+
+
+class StaleState(Conflict):
+    """A compare-and-set lost: the row changed since it was read."""
+
+
+class Fenced(Conflict):
+    """A node reported for an attempt it is no longer a member of."""

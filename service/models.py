@@ -1,0 +1,198 @@
+"""Tables. The schema is made only by the Alembic migrations in ``migrations/``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+from service.states import AttemptState, JobState, MemberState, NodeState
+
+# SQLite keeps integer primary keys only as INTEGER; other databases get BIGINT.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _state_column(enum_cls: type[StrEnum]) -> Enum:
+    """A VARCHAR holding the enum's value; rows load as the enum type."""
+    return Enum(
+        enum_cls,
+        native_enum=False,
+        length=16,
+        values_callable=lambda members: [m.value for m in members],
+    )
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: Any, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UTCDateTime(), dict[str, Any]: JSON}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[JobState] = mapped_column(_state_column(JobState), index=True)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    attempt_count: Mapped[int] = mapped_column(Integer, default=0)
+    restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    last_loss: Mapped[float | None] = mapped_column(Float)
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    message: Mapped[str] = mapped_column(Text, default="")
+
+    attempts: Mapped[list[Attempt]] = relationship(
+        back_populates="job", order_by="Attempt.number", cascade="all, delete-orphan"
+    )
+
+
+class Attempt(Base):
+    """One launch of a job: one c10d rendezvous id over a set of member nodes."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    rdzv_id: Mapped[str] = mapped_column(String(64), unique=True)
+    rdzv_endpoint: Mapped[str] = mapped_column(String(255))
+    state: Mapped[AttemptState] = mapped_column(_state_column(AttemptState), index=True)
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    started_count: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+    result: Mapped[str] = mapped_column(Text, default="")
+
+    job: Mapped[Job] = relationship(back_populates="attempts")
+    members: Mapped[list[AttemptMember]] = relationship(
+        back_populates="attempt", cascade="all, delete-orphan"
+    )
+
+
+class AttemptMember(Base):
+    """A node's part in an attempt; a node that left and came back gets a new row."""
+
+    __tablename__ = "attempt_members"
+    __table_args__ = (Index("ix_attempt_members_attempt_node", "attempt_id", "node_id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
+    state: Mapped[MemberState] = mapped_column(_state_column(MemberState))
+    joined_at: Mapped[datetime]
+    left_at: Mapped[datetime | None]
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+
+    attempt: Mapped[Attempt] = relationship(back_populates="members")
+    node: Mapped[Node] = relationship()
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    slots: Mapped[int] = mapped_column(Integer)
+    pid: Mapped[int] = mapped_column(Integer)
+    state: Mapped[NodeState] = mapped_column(_state_column(NodeState), index=True)
+    registered_at: Mapped[datetime]
+    last_heartbeat_at: Mapped[datetime]
+
+
+class JobEvent(Base):
+    """One line of a job's timeline."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id"))
+    time: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Snapshot(Base):
+    """A snapshot that rank 0 reported as saved."""
+
+    __tablename__ = "snapshots"
+    __table_args__ = (Index("ix_snapshots_job_id_step", "job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]
+
+
+class Metric(Base):
+    """A progress report of rank 0."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    time: Mapped[datetime]
+    step: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    samples_per_s: Mapped[float | None] = mapped_column(Float)
+    world_size: Mapped[int] = mapped_column(Integer)
+
+
+class LogEntry(Base):
+    """One line a worker (or its launcher) wrote on a node."""
+
+    __tablename__ = "log_lines"
+    __table_args__ = (Index("ix_log_lines_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
+    time: Mapped[datetime]
+    local_rank: Mapped[int | None] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    line: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,135 @@
+"""Node agents: registration, heartbeats, and what each node must run."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.attempts import assignment_for, drop_member
+from service.errors import NotFound
+from service.models import Attempt, AttemptMember, Job, Node
+from service.settings import ControllerSettings
+from service.states import AttemptState, MemberState, NodeState
+from worker.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
+
+logger = logging.getLogger(__name__)
+
+
+def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
+    """Create the node, or take it back after an agent restart.
+
+    An agent registers only when it starts (having ended what its previous life
+    left running) or when the controller forgot it, so any membership its name
+    still holds is over.
+    """
+    node = session.scalars(select(Node).where(Node.name == body.name)).one_or_none()
+    if node is None:
+        node = Node(
+            name=body.name,
+            address=body.address,
+            slots=body.slots,
+            pid=body.pid,
+            state=NodeState.ALIVE,
+            registered_at=now,
+            last_heartbeat_at=now,
+        )
+        session.add(node)
+        session.flush()
+        logger.info("node=%s registered name=%s address=%s", node.id, node.name, node.address)
+        return node
+    for member in memberships(session, node.id):
+        drop_member(session, member, now, "its agent restarted")
+    node.address, node.slots, node.pid = body.address, body.slots, body.pid
+    node.state, node.registered_at, node.last_heartbeat_at = NodeState.ALIVE, now, now
+    logger.info("node=%s registered again name=%s", node.id, node.name)
+    return node
+
+
+def memberships(session: Session, node_id: int) -> list[AttemptMember]:
+    """The node's active memberships of running attempts."""
+    stmt = (
+        select(AttemptMember)
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .where(
+            AttemptMember.node_id == node_id,
+            AttemptMember.state == MemberState.ACTIVE,
+            Attempt.state == AttemptState.RUNNING,
+        )
+    )
+    return list(session.scalars(stmt))
+
+
+def get_node(session: Session, node_id: int) -> Node:
+    node = session.get(Node, node_id)
+    if node is None:
+        raise NotFound(f"node {node_id} is not registered")
+    return node
+
+
+def heartbeat(
+    session: Session,
+    node_id: int,
+    body: Heartbeat,
+    settings: ControllerSettings,
+    now: datetime,
+) -> HeartbeatReply:
+    """Record that the node lives and answer with everything it must run now."""
+    node = get_node(session, node_id)
+    session.execute(
+        update(Node)
+        .where(Node.id == node_id)
+        .values(last_heartbeat_at=now, state=NodeState.ALIVE)
+        .execution_options(synchronize_session=False)
+    )
+    if node.state is NodeState.LOST:
+        logger.info("node=%s name=%s is back", node.id, node.name)
+    return HeartbeatReply(assignments=assignments_for(session, node_id, settings))
+
+
+def assignments_for(
+    session: Session, node_id: int, settings: ControllerSettings
+) -> list[Assignment]:
+    out = []
+    for member in memberships(session, node_id):
+        attempt = session.get(Attempt, member.attempt_id)
+        assert attempt is not None
+        job = session.get(Job, attempt.job_id)
+        assert job is not None
+        out.append(assignment_for(attempt, job, settings))
+    return out
+
+
+def list_nodes(session: Session) -> list[tuple[Node, Attempt | None]]:
+    nodes = list(session.scalars(select(Node).order_by(Node.id)))
+    serving: dict[int, Attempt] = {}
+    stmt = (
+        select(AttemptMember.node_id, Attempt)
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .where(AttemptMember.state == MemberState.ACTIVE, Attempt.state == AttemptState.RUNNING)
+    )
+    for node_id, attempt in session.execute(stmt).all():
+        serving[node_id] = attempt
+    return [(node, serving.get(node.id)) for node in nodes]
+
+
+def mark_lost(session: Session, node_id: int, seen_before: datetime, now: datetime) -> bool:
+    """ALIVE → LOST, only if no heartbeat arrived since ``seen_before`` (compare-and-set)."""
+    result = session.execute(
+        update(Node)
+        .where(
+            Node.id == node_id,
+            Node.state == NodeState.ALIVE,
+            Node.last_heartbeat_at <= seen_before,
+        )
+        .values(state=NodeState.LOST)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    logger.warning("node=%s lost: no heartbeat since %s", node_id, seen_before)
+    for member in memberships(session, node_id):
+        drop_member(session, member, now, "no heartbeat")
+    return True

@@ -1,0 +1,308 @@
+"""The reconciler: read the database, decide with a pure function, apply each action.
+
+Level-triggered: every pass decides from what the database says now, so a
+restarted controller picks up where the last one stopped. ``plan`` is pure
+(time is a parameter); ``Reconciler.apply`` executes one action per
+transaction and re-checks its preconditions with compare-and-set, so an action
+decided on stale data is skipped, never half-applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.attempts import (
+    active_members,
+    add_member,
+    create_attempt,
+    end_attempt,
+    running_attempt,
+)
+from service.db import transaction
+from service.errors import StaleState
+from service.jobs import add_event, change_job_state, get_job
+from service.models import Attempt, AttemptMember, Job, Node
+from service.nodes import mark_lost
+from service.schemas import JobSpec
+from service.settings import ControllerSettings
+from service.states import AttemptState, JobState, MemberState, NodeState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    id: int
+    state: NodeState
+    last_heartbeat_at: datetime
+    slots: int
+
+
+@dataclass(frozen=True)
+class JobView:
+    id: int
+    state: JobState
+    created_at: datetime
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    attempt_id: int | None = None
+    members: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MarkNodeLost:
+    node_id: int
+    seen_before: datetime
+
+
+@dataclass(frozen=True)
+class PlaceJob:
+    job_id: int
+    node_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AddMembers:
+    job_id: int
+    attempt_id: int
+    node_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequeueJob:
+    """Every node of the running attempt is gone: wait for nodes, resume from the snapshot."""
+
+    job_id: int
+    attempt_id: int
+
+
+Action = MarkNodeLost | PlaceJob | AddMembers | RequeueJob
+
+
+def plan(
+    now: datetime, nodes: Sequence[NodeView], jobs: Sequence[JobView], node_timeout: timedelta
+) -> list[Action]:
+    """Decide what to do now. Pure: same inputs, same actions.
+
+    - A live node silent for longer than ``node_timeout`` is lost; its
+      memberships end (the elastic agents of the other nodes carry on at the
+      smaller world size).
+    - An active job none of whose members is left goes back to PENDING.
+    - PENDING jobs, oldest first, are placed once at least MIN fitting nodes
+      are free; they get up to MAX.
+    - Then running jobs below MAX take free fitting nodes (scale up).
+    """
+    actions: list[Action] = []
+    lost = {
+        n.id
+        for n in nodes
+        if n.state is NodeState.ALIVE and now - n.last_heartbeat_at > node_timeout
+    }
+    actions += [MarkNodeLost(n.id, now - node_timeout) for n in nodes if n.id in lost]
+    alive = [n for n in nodes if n.state is NodeState.ALIVE and n.id not in lost]
+    alive_ids = {n.id for n in alive}
+
+    running: list[tuple[JobView, list[int]]] = []
+    busy: set[int] = set()
+    for job in jobs:
+        if not job.state.is_active() or job.attempt_id is None:
+            continue
+        remaining = [m for m in job.members if m in alive_ids]
+        if not remaining:
+            actions.append(RequeueJob(job.id, job.attempt_id))
+            continue
+        busy.update(remaining)
+        running.append((job, remaining))
+
+    free = [n for n in sorted(alive, key=lambda n: n.id) if n.id not in busy]
+    pending = sorted(
+        (j for j in jobs if j.state is JobState.PENDING), key=lambda j: (j.created_at, j.id)
+    )
+    for job in pending:
+        fitting = [n.id for n in free if n.slots >= job.nproc_per_node]
+        if len(fitting) >= job.min_nodes:
+            chosen = tuple(fitting[: job.max_nodes])
+            actions.append(PlaceJob(job.id, chosen))
+            free = [n for n in free if n.id not in chosen]
+    for job, remaining in running:
+        room = job.max_nodes - len(remaining)
+        fitting = [n.id for n in free if n.slots >= job.nproc_per_node]
+        if room > 0 and fitting and job.attempt_id is not None:
+            chosen = tuple(fitting[:room])
+            actions.append(AddMembers(job.id, job.attempt_id, chosen))
+            free = [n for n in free if n.id not in chosen]
+    return actions
+
+
+def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
+    nodes = [
+        NodeView(n.id, n.state, n.last_heartbeat_at, n.slots) for n in session.scalars(select(Node))
+    ]
+    open_states = (JobState.PENDING, JobState.RUNNING, JobState.RESTARTING)
+    jobs: list[JobView] = []
+    for job in session.scalars(select(Job).where(Job.state.in_(open_states))):
+        spec = JobSpec.model_validate(job.spec)
+        attempt = running_attempt(session, job.id)
+        members: tuple[int, ...] = ()
+        if attempt is not None:
+            members = tuple(m.node_id for m in active_members(session, attempt.id))
+        jobs.append(
+            JobView(
+                id=job.id,
+                state=job.state,
+                created_at=job.created_at,
+                min_nodes=spec.min_nodes,
+                max_nodes=spec.max_nodes,
+                nproc_per_node=spec.nproc_per_node,
+                attempt_id=attempt.id if attempt else None,
+                members=members,
+            )
+        )
+    return nodes, jobs
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Reconciler:
+    """Runs ``plan`` against the database every ``interval`` and applies the actions."""
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        settings: ControllerSettings,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self._factory = factory
+        self._settings = settings
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_once(self) -> list[Action]:
+        now = self._clock()
+        with transaction(self._factory) as session:
+            nodes, jobs = load_views(session)
+        actions = plan(now, nodes, jobs, timedelta(seconds=self._settings.node_timeout_s))
+        for action in actions:
+            try:
+                with transaction(self._factory) as session:
+                    self.apply(session, action, now)
+            except StaleState as exc:
+                logger.info("skipped %s: %s", action, exc)
+        return actions
+
+    def apply(self, session: Session, action: Action, now: datetime) -> None:
+        if isinstance(action, MarkNodeLost):
+            mark_lost(session, action.node_id, action.seen_before, now)
+        elif isinstance(action, PlaceJob):
+            self._place(session, action, now)
+        elif isinstance(action, AddMembers):
+            self._add_members(session, action, now)
+        elif isinstance(action, RequeueJob):
+            self._requeue(session, action, now)
+
+    def _free_nodes(self, session: Session, node_ids: Sequence[int]) -> list[Node]:
+        """The named nodes, locked, if every one is alive and in no running attempt."""
+        stmt = select(Node).where(Node.id.in_(node_ids)).with_for_update().order_by(Node.id)
+        nodes = list(session.scalars(stmt))
+        taken = session.scalars(
+            select(AttemptMember.node_id)
+            .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+            .where(
+                AttemptMember.node_id.in_(node_ids),
+                AttemptMember.state == MemberState.ACTIVE,
+                Attempt.state == AttemptState.RUNNING,
+            )
+        ).all()
+        if len(nodes) != len(node_ids) or taken:
+            raise StaleState(f"nodes {list(node_ids)} are no longer free")
+        if any(n.state is not NodeState.ALIVE for n in nodes):
+            raise StaleState(f"nodes {list(node_ids)} are no longer all alive")
+        return nodes
+
+    def _place(self, session: Session, action: PlaceJob, now: datetime) -> None:
+        job = get_job(session, action.job_id, for_update=True)
+        if job.state is not JobState.PENDING:
+            raise StaleState(f"job {job.id} is {job.state}, not PENDING")
+        nodes = self._free_nodes(session, action.node_ids)
+        change_job_state(session, job, JobState.RUNNING, now, message="")
+        attempt = create_attempt(session, job, nodes, self._settings, now)
+        add_event(
+            session,
+            job.id,
+            "placed",
+            f"attempt {attempt.number} placed on {', '.join(n.name for n in nodes)} "
+            f"(rendezvous id {attempt.rdzv_id})",
+            now,
+            attempt_id=attempt.id,
+            data={"nodes": [n.name for n in nodes]},
+        )
+
+    def _add_members(self, session: Session, action: AddMembers, now: datetime) -> None:
+        job = get_job(session, action.job_id, for_update=True)
+        attempt = session.get(Attempt, action.attempt_id)
+        if not job.state.is_active() or attempt is None or attempt.state.is_terminal():
+            raise StaleState(f"job {job.id} is no longer running attempt {action.attempt_id}")
+        nodes = self._free_nodes(session, action.node_ids)
+        for node in nodes:
+            add_member(session, attempt, node, now)
+            add_event(
+                session,
+                job.id,
+                "node_joined",
+                f"node {node.name} joins attempt {attempt.number}; the workers re-form "
+                "at the larger world size",
+                now,
+                attempt_id=attempt.id,
+                node_id=node.id,
+            )
+
+    def _requeue(self, session: Session, action: RequeueJob, now: datetime) -> None:
+        job = get_job(session, action.job_id, for_update=True)
+        attempt = session.get(Attempt, action.attempt_id)
+        if attempt is None or attempt.state is not AttemptState.RUNNING:
+            raise StaleState(f"attempt {action.attempt_id} is no longer running")
+        if active_members(session, attempt.id) and any(
+            n.state is NodeState.ALIVE
+            for n in (session.get(Node, m.node_id) for m in active_members(session, attempt.id))
+            if n is not None
+        ):
+            raise StaleState(f"attempt {attempt.id} has a live member again")
+        end_attempt(session, attempt, AttemptState.STOPPED, now, "every node was lost")
+        change_job_state(session, job, JobState.PENDING, now, message="waiting for nodes")
+        add_event(
+            session,
+            job.id,
+            "waiting_for_nodes",
+            f"every node of attempt {attempt.number} was lost; the job waits for nodes "
+            "and resumes from its newest snapshot",
+            now,
+            attempt_id=attempt.id,
+        )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:
+                logger.exception("reconciler pass failed; retrying")
+            self._stop.wait(self._settings.reconcile_interval_s)

@@ -1,0 +1,240 @@
+"""What nodes report about their attempts: logs, runtime events, and how they ended.
+
+A report counts only if the node is an active member of a running attempt
+(fencing): a node that was paused or cut off and comes back cannot write into
+an attempt that has since been replaced. Its final exit report is still
+recorded, so the timeline says its processes are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from service.attempts import end_attempt, end_member, find_member
+from service.errors import Fenced
+from service.jobs import add_event, change_job_state, get_job
+from service.models import Attempt, Job, LogEntry, Metric, Node, Snapshot
+from service.nodes import get_node
+from service.states import AttemptState, JobState, MemberState
+from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent
+
+logger = logging.getLogger(__name__)
+
+
+def handle_report(session: Session, node_id: int, report: AttemptReport, now: datetime) -> None:
+    node = get_node(session, node_id)
+    attempt = session.get(Attempt, report.attempt_id)
+    member = find_member(session, report.attempt_id, node_id) if attempt else None
+    if attempt is None or member is None:
+        raise Fenced(f"node {node_id} is not a member of attempt {report.attempt_id}")
+    live = attempt.state is AttemptState.RUNNING and member.state is MemberState.ACTIVE
+    if not live:
+        if report.exit is not None:
+            _record_stale_exit(session, node, attempt, report.exit, now)
+            return
+        raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it")
+    job = get_job(session, attempt.job_id, for_update=True)
+    _store_logs(session, job, attempt, node, report)
+    for event in report.events:
+        _apply_event(session, job, attempt, node, event, now)
+    if report.exit is not None:
+        _apply_exit(session, job, attempt, node, report.exit, now)
+
+
+def _store_logs(
+    session: Session, job: Job, attempt: Attempt, node: Node, report: AttemptReport
+) -> None:
+    session.add_all(
+        LogEntry(
+            job_id=job.id,
+            attempt_id=attempt.id,
+            node_id=node.id,
+            time=line.time,
+            local_rank=line.local_rank,
+            stream=line.stream,
+            line=line.line,
+        )
+        for line in report.logs
+    )
+
+
+def _apply_event(
+    session: Session, job: Job, attempt: Attempt, node: Node, event: RuntimeEvent, now: datetime
+) -> None:
+    data = event.data
+    ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id, "data": data}
+    kind = event.kind
+    if kind is EventKind.RENDEZVOUS:
+        world = int(data.get("world_size", 0)) or None
+        attempt.world_size = job.world_size = world
+        if data.get("group_rank") == 0:
+            add_event(
+                session,
+                job.id,
+                "rendezvous",
+                f"rendezvous of attempt {attempt.number} complete: world size {world}, "
+                f"{data.get('group_world_size')} node(s)",
+                event.time,
+                **ids,
+            )
+        if job.state is JobState.RESTARTING:
+            change_job_state(session, job, JobState.RUNNING, now, message="")
+    elif kind is EventKind.WORKER_FAILED:
+        add_event(
+            session,
+            job.id,
+            "worker_failed",
+            f"worker rank {data.get('global_rank')} (local rank {data.get('local_rank')} on "
+            f"node {node.name}) exited with code {data.get('exitcode')}: "
+            f"{str(data.get('message') or 'no error message')[:500]}",
+            event.time,
+            **ids,
+        )
+        if job.state is JobState.RUNNING:
+            job.restart_count += 1
+            change_job_state(session, job, JobState.RESTARTING, now, message="worker failed")
+            add_event(
+                session,
+                job.id,
+                "restarting",
+                f"restarting the workers (restart {job.restart_count} of the job)",
+                event.time,
+                **ids,
+            )
+    elif kind is EventKind.STARTED:
+        _apply_started(session, job, attempt, event, now, ids)
+    elif kind is EventKind.PROGRESS:
+        session.add(
+            Metric(
+                job_id=job.id,
+                attempt_id=attempt.id,
+                time=event.time,
+                step=int(data.get("step", 0)),
+                epoch=int(data.get("epoch", 0)),
+                loss=_float_or_none(data.get("loss")),
+                samples_per_s=_float_or_none(data.get("samples_per_s")),
+                world_size=int(data.get("world_size", 0)),
+            )
+        )
+        job.last_step = int(data.get("step", 0))
+        job.last_loss = _float_or_none(data.get("loss"))
+    elif kind is EventKind.SNAPSHOT:
+        session.add(
+            Snapshot(
+                job_id=job.id,
+                attempt_id=attempt.id,
+                step=int(data.get("step", 0)),
+                epoch=int(data.get("epoch", 0)),
+                path=str(data.get("path", "")),
+                bytes=int(data.get("bytes", 0)),
+                created_at=event.time,
+            )
+        )
+        add_event(
+            session,
+            job.id,
+            "snapshot_saved",
+            f"snapshot saved at step {data.get('step')}",
+            event.time,
+            **ids,
+        )
+    elif kind is EventKind.FINISHED:
+        job.last_step = int(data.get("step", job.last_step or 0))
+        add_event(
+            session,
+            job.id,
+            "training_finished",
+            f"training finished at step {data.get('step')}, loss {data.get('loss')}",
+            event.time,
+            **ids,
+        )
+    elif kind is EventKind.LAUNCHER_EXIT:
+        pass  # the exit report carries the outcome
+
+
+def _apply_started(
+    session: Session,
+    job: Job,
+    attempt: Attempt,
+    event: RuntimeEvent,
+    now: datetime,
+    ids: dict[str, Any],
+) -> None:
+    data = event.data
+    attempt.started_count += 1
+    world = data.get("world_size")
+    if data.get("total_steps") is not None:
+        job.total_steps = int(data["total_steps"])
+    resumed = data.get("resumed_from_step")
+    if resumed is not None:
+        message = f"training resumed from snapshot at step {resumed} (world size {world})"
+        kind = "resumed"
+    else:
+        message = f"training started from scratch (world size {world})"
+        kind = "training_started"
+    add_event(session, job.id, kind, message, event.time, **ids)
+    if job.state is JobState.RESTARTING:
+        change_job_state(session, job, JobState.RUNNING, now, message="")
+
+
+def _apply_exit(
+    session: Session, job: Job, attempt: Attempt, node: Node, exit: AttemptExit, now: datetime
+) -> None:
+    member = find_member(session, attempt.id, node.id)
+    assert member is not None
+    new_member_state = MemberState.LEFT if exit.outcome == "stopped" else MemberState.EXITED
+    end_member(session, member, new_member_state, now, exit.exit_code)
+    ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id}
+    if exit.outcome == "succeeded":
+        add_event(session, job.id, "node_finished", f"node {node.name} finished", now, **ids)
+        if attempt.state is AttemptState.RUNNING:
+            end_attempt(session, attempt, AttemptState.SUCCEEDED, now, "workers succeeded")
+        if job.state.is_active():
+            change_job_state(session, job, JobState.SUCCEEDED, now, message="succeeded")
+            add_event(session, job.id, "succeeded", "job succeeded", now, **ids)
+    elif exit.outcome == "failed":
+        why = exit.message or f"launcher exited with code {exit.exit_code}"
+        add_event(session, job.id, "node_failed", f"node {node.name} failed: {why}", now, **ids)
+        if attempt.state is AttemptState.RUNNING:
+            end_attempt(session, attempt, AttemptState.FAILED, now, why)
+        if job.state.is_active():
+            change_job_state(session, job, JobState.FAILED, now, message=why[:2000])
+            add_event(session, job.id, "failed", f"job failed: {why}", now, **ids)
+    else:
+        _record_stopped(session, job.id, node, attempt, exit, now)
+
+
+def _record_stale_exit(
+    session: Session, node: Node, attempt: Attempt, exit: AttemptExit, now: datetime
+) -> None:
+    member = find_member(session, attempt.id, node.id)
+    if member is not None:
+        end_member(session, member, MemberState.LEFT, now, exit.exit_code)
+    _record_stopped(session, attempt.job_id, node, attempt, exit, now)
+
+
+def _record_stopped(
+    session: Session, job_id: int, node: Node, attempt: Attempt, exit: AttemptExit, now: datetime
+) -> None:
+    left = "nothing left running" if exit.clean else "SOME PROCESSES SURVIVED"
+    add_event(
+        session,
+        job_id,
+        "node_stopped",
+        f"node {node.name} stopped attempt {attempt.number}: {left}",
+        now,
+        attempt_id=attempt.id,
+        node_id=node.id,
+        data={"clean": exit.clean, "outcome": exit.outcome},
+    )
+
+
+def _float_or_none(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,286 @@
+"""The REST contract: what clients send and receive. Separate from the tables."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from service.states import AttemptState, JobState, MemberState, NodeState
+from worker.tasks.registry import TASKS, task_args
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# Names relaunch or the elastic launcher set for every worker; a job may not override them.
+_RESERVED_ENV = re.compile(
+    r"^(RELAUNCH_.*|TORCHELASTIC_.*|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE|"
+    r"LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME|"
+    r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE)$"
+)
+MAX_NODES = 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskSpec(_Strict):
+    """A built-in task by name, with its parameters."""
+
+    name: str = Field(description=f"One of: {', '.join(sorted(TASKS))}", max_length=64)
+    params: dict[str, Any] = Field(default_factory=dict, max_length=64)
+
+    @model_validator(mode="after")
+    def _known_task(self) -> Self:
+        task_args(self.name, self.params)  # raises ValueError saying what is wrong
+        return self
+
+
+class ScriptSpec(_Strict):
+    """A user program written for torchrun: a script path on the nodes, or a module."""
+
+    path: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Absolute path of a Python script that exists on every node",
+    )
+    module: str | None = Field(
+        default=None, max_length=256, description="A module to run as `python -m`"
+    )
+    args: list[str] = Field(default_factory=list, max_length=256)
+
+    @field_validator("args")
+    @classmethod
+    def _bounded_args(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if len(arg) > 4096:
+                raise ValueError("each argument must be at most 4096 characters")
+            if "\x00" in arg:
+                raise ValueError("arguments must not contain NUL characters")
+        return args
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Self:
+        if (self.path is None) == (self.module is None):
+            raise ValueError("give exactly one of 'path' and 'module'")
+        if self.path is not None and not self.path.startswith("/"):
+            raise ValueError("'path' must be absolute (a script that exists on every node)")
+        if self.path is not None and "\x00" in self.path:
+            raise ValueError("'path' must not contain NUL characters")
+        if self.module is not None and not _MODULE_NAME.match(self.module):
+            raise ValueError(f"'module' is not a dotted Python module name: {self.module!r}")
+        return self
+
+
+class SnapshotPolicy(_Strict):
+    """When rank 0 saves a snapshot; with neither set, after every epoch."""
+
+    every_steps: int | None = Field(default=None, ge=1, le=10**9)
+    every_epochs: int | None = Field(default=None, ge=1, le=10**6)
+
+
+class JobSpec(_Strict):
+    """What to run and how: plain data that knows nothing of where it runs."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    task: TaskSpec | None = None
+    script: ScriptSpec | None = None
+    nnodes: str = Field(
+        default="1",
+        description="Number of nodes as 'N' or 'MIN:MAX'",
+        examples=["1:2"],
+        max_length=16,
+    )
+    nproc_per_node: int = Field(default=1, ge=1, le=64)
+    max_restarts: int = Field(default=3, ge=0, le=1000)
+    snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)
+    env: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _nnodes_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) else value
+
+    @field_validator("nnodes")
+    @classmethod
+    def _nnodes_range(cls, value: str) -> str:
+        parse_nnodes(value)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key, val in env.items():
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"environment name {key!r} is not a valid variable name")
+            if _RESERVED_ENV.match(key):
+                raise ValueError(f"environment name {key!r} is set by relaunch; remove it")
+            if len(val) > 4096 or "\x00" in val:
+                raise ValueError(f"environment value of {key!r} is too long or has NUL")
+        return env
+
+    @model_validator(mode="after")
+    def _one_program(self) -> Self:
+        if (self.task is None) == (self.script is None):
+            raise ValueError("give exactly one of 'task' (a built-in task) and 'script'")
+        return self
+
+    @property
+    def min_nodes(self) -> int:
+        return parse_nnodes(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return parse_nnodes(self.nnodes)[1]
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"2"`` → (2, 2); ``"1:3"`` → (1, 3). Raises ValueError saying what is wrong."""
+    parts = value.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"nnodes must be 'N' or 'MIN:MAX' with whole numbers, got {value!r}")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if lo < 1:
+        raise ValueError("nnodes MIN must be at least 1")
+    if hi < lo:
+        raise ValueError(f"nnodes MAX ({hi}) must not be below MIN ({lo})")
+    if hi > MAX_NODES:
+        raise ValueError(f"nnodes MAX must be at most {MAX_NODES}")
+    return lo, hi
+
+
+class JobCreate(JobSpec):
+    """The body of a submit request."""
+
+
+class MemberPublic(BaseModel):
+    node_id: int
+    node_name: str
+    state: MemberState
+    joined_at: datetime
+    left_at: datetime | None
+    exit_code: int | None
+
+
+class AttemptPublic(BaseModel):
+    id: int
+    number: int
+    rdzv_id: str
+    rdzv_endpoint: str
+    state: AttemptState
+    world_size: int | None
+    created_at: datetime
+    ended_at: datetime | None
+    result: str
+    members: list[MemberPublic]
+
+
+class JobPublic(BaseModel):
+    id: int
+    name: str
+    state: JobState
+    spec: JobSpec
+    min_nodes: int
+    max_nodes: int
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempt_count: int
+    restart_count: int
+    world_size: int | None
+    last_step: int | None
+    total_steps: int | None
+    last_loss: float | None
+    message: str
+
+
+class JobDetail(JobPublic):
+    attempts: list[AttemptPublic]
+
+
+class JobsPublic(BaseModel):
+    items: list[JobPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class EventPublic(BaseModel):
+    id: int
+    time: datetime
+    kind: str
+    message: str
+    attempt_id: int | None
+    node_id: int | None
+    data: dict[str, Any]
+
+
+class EventsPublic(BaseModel):
+    items: list[EventPublic]
+
+
+class MetricPublic(BaseModel):
+    id: int
+    time: datetime
+    attempt_id: int
+    step: int
+    epoch: int
+    loss: float | None
+    samples_per_s: float | None
+    world_size: int
+
+
+class MetricsPublic(BaseModel):
+    items: list[MetricPublic]
+
+
+class LogPublic(BaseModel):
+    id: int
+    time: datetime
+    attempt_id: int
+    node_id: int
+    local_rank: int | None
+    stream: str
+    line: str
+
+
+class LogsPublic(BaseModel):
+    items: list[LogPublic]
+
+
+class NodePublic(BaseModel):
+    id: int
+    name: str
+    address: str
+    slots: int
+    state: NodeState
+    registered_at: datetime
+    last_heartbeat_at: datetime
+    attempt_id: int | None = None
+    job_id: int | None = None
+
+
+class NodesPublic(BaseModel):
+    items: list[NodePublic]
+
+
+class SnapshotPublic(BaseModel):
+    id: int
+    attempt_id: int
+    step: int
+    epoch: int
+    path: str
+    bytes: int
+    created_at: datetime
+
+
+class SnapshotsPublic(BaseModel):
+    items: list[SnapshotPublic]
+
+
+class Health(BaseModel):
+    status: str
+    database: str

@@ -1,0 +1,74 @@
+"""The controller's one settings object, validated at start and passed in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    return Path.home() / ".relaunch"
+
+
+class ControllerSettings(BaseSettings):
+    """Every field reads ``RELAUNCH_<FIELD>``; the database also reads ``DATABASE_URL``."""
+
+    model_config = SettingsConfigDict(env_prefix="RELAUNCH_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    database_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("DATABASE_URL", "RELAUNCH_DATABASE_URL"),
+        description="SQLAlchemy URL; default: a SQLite file in data_dir",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+    store_host: str = Field(
+        default="127.0.0.1", description="Address the rendezvous store listens on"
+    )
+    store_port: int = Field(default=29400, ge=1, le=65535)
+    advertise_host: str | None = Field(
+        default=None,
+        description="Address nodes use to reach the rendezvous store (default: store_host)",
+    )
+    snapshot_root: Path | None = Field(
+        default=None,
+        description="Root of per-job snapshot directories, shared by every node "
+        "(default: data_dir/snapshots)",
+    )
+
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
+    node_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    reconcile_interval_s: float = Field(default=0.5, gt=0, le=60)
+
+    rdzv_last_call_timeout_s: int = Field(default=2, ge=0, le=600)
+    rdzv_join_timeout_s: int = Field(default=600, ge=1, le=86400)
+    rdzv_keep_alive_interval_s: int = Field(default=2, ge=1, le=60)
+    rdzv_keep_alive_max_attempt: int = Field(default=3, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> ControllerSettings:
+        if self.database_url is None:
+            self.database_url = f"sqlite:///{self.data_dir / 'relaunch.db'}"
+        if self.snapshot_root is None:
+            self.snapshot_root = self.data_dir / "snapshots"
+        if self.advertise_host is None:
+            self.advertise_host = self.store_host
+        return self
+
+    @property
+    def db_url(self) -> str:
+        assert self.database_url is not None  # filled by the validator
+        return self.database_url
+
+    @property
+    def snapshots(self) -> Path:
+        assert self.snapshot_root is not None  # filled by the validator
+        return self.snapshot_root
+
+    @property
+    def store_endpoint(self) -> str:
+        return f"{self.advertise_host}:{self.store_port}"

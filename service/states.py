@@ -1,0 +1,144 @@
+"""Lifecycles of jobs, attempts and nodes: one enum and one transition table each.
+
+Every change of state goes through ``check_transition``; the database layer
+applies it with compare-and-set on the row's current state, so a stale writer
+cannot overwrite a newer state.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TypeVar
+
+S = TypeVar("S", bound=StrEnum)
+
+
+class JobState(StrEnum):
+    """A job's lifecycle.
+
+    ::
+
+        PENDING ──place──▶ RUNNING ──worker failed──▶ RESTARTING
+           ▲                 │  ▲                        │
+           │                 │  └──── rendezvous again ──┘
+           └─ every node lost┘
+        RUNNING / RESTARTING ──▶ SUCCEEDED | FAILED
+        any non-terminal ──cancel──▶ CANCELLED
+    """
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    def is_terminal(self) -> bool:
+        return self in _JOB_TERMINAL
+
+    def is_active(self) -> bool:
+        """Placed on nodes: an attempt of the job is running."""
+        return self in (JobState.RUNNING, JobState.RESTARTING)
+
+
+_JOB_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.RESTARTING,
+            JobState.PENDING,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
+    ),
+    JobState.RESTARTING: frozenset(
+        {
+            JobState.RUNNING,
+            JobState.PENDING,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
+    ),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class AttemptState(StrEnum):
+    """One launch of a job: one c10d rendezvous id and its member nodes.
+
+    ::
+
+        RUNNING ──▶ SUCCEEDED | FAILED | STOPPED
+    """
+
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    def is_terminal(self) -> bool:
+        return self is not AttemptState.RUNNING
+
+
+ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
+    AttemptState.RUNNING: frozenset(
+        {AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.STOPPED}
+    ),
+    AttemptState.SUCCEEDED: frozenset(),
+    AttemptState.FAILED: frozenset(),
+    AttemptState.STOPPED: frozenset(),
+}
+
+
+class MemberState(StrEnum):
+    """A node's part in an attempt.
+
+    ::
+
+        ACTIVE ──▶ LEFT (node lost or the attempt ended) | EXITED (its launcher ended)
+    """
+
+    ACTIVE = "ACTIVE"
+    LEFT = "LEFT"
+    EXITED = "EXITED"
+
+
+MEMBER_TRANSITIONS: dict[MemberState, frozenset[MemberState]] = {
+    MemberState.ACTIVE: frozenset({MemberState.LEFT, MemberState.EXITED}),
+    MemberState.LEFT: frozenset(),
+    MemberState.EXITED: frozenset(),
+}
+
+
+class NodeState(StrEnum):
+    """A node agent as the controller sees it.
+
+    ::
+
+        ALIVE ──heartbeat timeout──▶ LOST ──registers again──▶ ALIVE
+    """
+
+    ALIVE = "ALIVE"
+    LOST = "LOST"
+
+
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    NodeState.ALIVE: frozenset({NodeState.LOST}),
+    NodeState.LOST: frozenset({NodeState.ALIVE}),
+}
+
+
+class InvalidTransition(ValueError):
+    """A state change that the lifecycle table does not allow."""
+
+
+def check_transition(table: dict[S, frozenset[S]], current: S, new: S) -> None:
+    """Raise ``InvalidTransition`` unless ``current -> new`` is in ``table``."""
+    if new not in table[current]:
+        raise InvalidTransition(f"{type(current).__name__} cannot go from {current} to {new}")

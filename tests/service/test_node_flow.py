@@ -1,0 +1,304 @@
+"""Nodes, placement and reports, end to end through the API with a movable clock."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from service.reconciler import Reconciler
+from tests.conftest import FakeClock
+
+
+def register(api: TestClient, name: str, slots: int = 1) -> int:
+    r = api.post(
+        "/api/v1/nodes/register",
+        json={"name": name, "address": "127.0.0.1", "slots": slots, "pid": 1},
+    )
+    assert r.status_code == 200, r.text
+    node_id: int = r.json()["node_id"]
+    return node_id
+
+
+def heartbeat(api: TestClient, node_id: int) -> list[dict[str, Any]]:
+    r = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
+    assert r.status_code == 200, r.text
+    assignments: list[dict[str, Any]] = r.json()["assignments"]
+    return assignments
+
+
+def submit(api: TestClient, nnodes: str = "2:2") -> int:
+    spec = {
+        "name": "j",
+        "task": {"name": "regression", "params": {"epochs": 2}},
+        "nnodes": nnodes,
+        "snapshot": {"every_steps": 5},
+    }
+    r = api.post("/api/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job_id: int = r.json()["id"]
+    return job_id
+
+
+def event(kind: str, **data: Any) -> dict[str, Any]:
+    return {"time": datetime.now(UTC).isoformat(), "kind": kind, "data": data}
+
+
+def report(api: TestClient, node_id: int, attempt_id: int, **body: Any) -> Any:
+    return api.post(f"/api/v1/nodes/{node_id}/reports", json={"attempt_id": attempt_id, **body})
+
+
+def job(api: TestClient, job_id: int) -> dict[str, Any]:
+    body: dict[str, Any] = api.get(f"/api/v1/jobs/{job_id}").json()
+    return body
+
+
+def kinds(api: TestClient, job_id: int) -> list[str]:
+    return [e["kind"] for e in api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
+
+
+def test_job_waits_for_min_nodes_then_runs_on_them(api: TestClient, reconciler: Reconciler) -> None:
+    a = register(api, "a")
+    job_id = submit(api, "2:2")
+    reconciler.run_once()
+    assert job(api, job_id)["state"] == "PENDING"
+    b = register(api, "b")
+    reconciler.run_once()
+    detail = job(api, job_id)
+    assert detail["state"] == "RUNNING"
+    [attempt] = detail["attempts"]
+    assert {m["node_name"] for m in attempt["members"]} == {"a", "b"}
+    for node_id in (a, b):
+        [assignment] = heartbeat(api, node_id)
+        assert assignment["attempt_id"] == attempt["id"]
+        assert assignment["rendezvous"]["rdzv_id"] == attempt["rdzv_id"]
+        assert assignment["rendezvous"]["endpoint"].endswith(":29999")
+        assert assignment["entrypoint"]["module"] == "worker.tasks.regression"
+        assert "--epochs" in assignment["entrypoint"]["args"]
+        assert assignment["snapshot_dir"].endswith(f"job-{job_id}")
+        assert assignment["snapshot_every_steps"] == 5
+
+
+def test_reports_drive_the_job_to_success_through_a_restart(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api)
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    r = report(
+        api,
+        a,
+        attempt_id,
+        logs=[{"time": datetime.now(UTC).isoformat(), "local_rank": 0, "line": "hello"}],
+        events=[
+            event("rendezvous", world_size=2, group_rank=0, group_world_size=2),
+            event("started", world_size=2, restart_count=0, resumed_from_step=None, total_steps=40),
+            event("progress", step=10, epoch=0, loss=0.5, samples_per_s=100.0, world_size=2),
+            event("snapshot", step=10, epoch=0, path="/s/snapshot-10.pt", bytes=123),
+        ],
+    )
+    assert r.status_code == 200, r.text
+    d = job(api, job_id)
+    assert (d["state"], d["world_size"], d["last_step"], d["total_steps"]) == ("RUNNING", 2, 10, 40)
+    assert (
+        report(
+            api,
+            b,
+            attempt_id,
+            events=[
+                event("worker_failed", local_rank=0, global_rank=1, exitcode=-9, message="killed"),
+            ],
+        ).status_code
+        == 200
+    )
+    assert job(api, job_id)["state"] == "RESTARTING"
+    assert (
+        report(
+            api,
+            a,
+            attempt_id,
+            events=[
+                event(
+                    "worker_failed", local_rank=0, global_rank=0, exitcode=1, message="peer gone"
+                ),
+                event(
+                    "started", world_size=2, restart_count=1, resumed_from_step=10, total_steps=40
+                ),
+            ],
+        ).status_code
+        == 200
+    )
+    d = job(api, job_id)
+    assert (d["state"], d["restart_count"]) == ("RUNNING", 1)  # one incident, one restart
+    assert (
+        report(
+            api,
+            a,
+            attempt_id,
+            events=[event("finished", step=40, loss=0.1)],
+            exit={"outcome": "succeeded", "exit_code": 0},
+        ).status_code
+        == 200
+    )
+    d = job(api, job_id)
+    assert d["state"] == "SUCCEEDED"
+    assert d["attempts"][0]["state"] == "SUCCEEDED"
+    timeline = kinds(api, job_id)
+    for expected in (
+        "placed",
+        "rendezvous",
+        "training_started",
+        "snapshot_saved",
+        "worker_failed",
+        "restarting",
+        "resumed",
+        "training_finished",
+        "succeeded",
+    ):
+        assert expected in timeline
+    assert [m["step"] for m in api.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]] == [10]
+    assert api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"][0]["step"] == 10
+    [line] = api.get(f"/api/v1/jobs/{job_id}/logs").json()["items"]
+    assert (line["line"], line["local_rank"], line["node_id"]) == ("hello", 0, a)
+
+
+def test_a_failed_launcher_fails_the_job(api: TestClient, reconciler: Reconciler) -> None:
+    a, _ = register(api, "a"), register(api, "b")
+    job_id = submit(api)
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    report(
+        api,
+        a,
+        attempt_id,
+        exit={"outcome": "failed", "exit_code": 1, "message": "restarts exhausted"},
+    )
+    d = job(api, job_id)
+    assert d["state"] == "FAILED"
+    assert "restarts exhausted" in d["message"]
+
+
+def test_reports_from_non_members_and_ended_attempts_are_fenced(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    a, b, c = register(api, "a"), register(api, "b"), register(api, "c")
+    job_id = submit(api, "2:2")
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    assert report(api, c, attempt_id, events=[]).status_code == 409
+    assert report(api, a, 999_999).status_code == 409
+    api.post(f"/api/v1/jobs/{job_id}/cancel")
+    assert heartbeat(api, a) == []  # level-triggered: the node must stop it
+    stale = report(
+        api,
+        a,
+        attempt_id,
+        events=[event("progress", step=99, epoch=0, loss=1.0, samples_per_s=1.0, world_size=2)],
+    )
+    assert stale.status_code == 409
+    assert job(api, job_id)["last_step"] is None
+    done = report(api, b, attempt_id, exit={"outcome": "stopped", "clean": True})
+    assert done.status_code == 200
+    assert "node_stopped" in kinds(api, job_id)
+
+
+def test_a_silent_node_is_lost_and_the_job_goes_on_without_it(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    clock.advance(8)
+    heartbeat(api, a)
+    clock.advance(5)  # b silent for 13 s > 10 s timeout
+    reconciler.run_once()
+    nodes = {n["name"]: n for n in api.get("/api/v1/nodes").json()["items"]}
+    assert nodes["b"]["state"] == "LOST"
+    assert nodes["a"]["job_id"] == job_id
+    d = job(api, job_id)
+    assert d["state"] == "RUNNING"
+    members = {m["node_name"]: m["state"] for m in d["attempts"][0]["members"]}
+    assert members == {"a": "ACTIVE", "b": "LEFT"}
+    assert "node_left" in kinds(api, job_id)
+    # b comes back: the old attempt is no longer its, and it may join again as a new member
+    assert heartbeat(api, b) == []
+    reconciler.run_once()
+    [assignment] = heartbeat(api, b)
+    assert assignment["attempt_id"] == d["attempts"][0]["id"]
+    assert "node_joined" in kinds(api, job_id)
+
+
+def test_losing_every_node_requeues_and_a_new_attempt_follows(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    register(api, "a")
+    job_id = submit(api, "1:1")
+    reconciler.run_once()
+    clock.advance(11)
+    reconciler.run_once()
+    reconciler.run_once()
+    d = job(api, job_id)
+    assert d["state"] == "PENDING"
+    assert d["attempts"][0]["state"] == "STOPPED"
+    register(api, "z")
+    reconciler.run_once()
+    d = job(api, job_id)
+    assert d["state"] == "RUNNING"
+    assert [a["number"] for a in d["attempts"]] == [1, 2]
+    assert d["attempts"][1]["rdzv_id"] != d["attempts"][0]["rdzv_id"]
+
+
+def test_a_node_registering_while_a_job_runs_below_max_joins_it(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    register(api, "a")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    b = register(api, "b")
+    reconciler.run_once()
+    [assignment] = heartbeat(api, b)
+    assert assignment["job_id"] == job_id
+    assert len(job(api, job_id)["attempts"]) == 1
+
+
+def test_an_agent_that_restarts_gives_up_its_old_memberships(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    a = register(api, "a")
+    job_id = submit(api, "1:1")
+    reconciler.run_once()
+    assert register(api, "a") == a
+    d = job(api, job_id)
+    assert d["attempts"][0]["members"][0]["state"] == "LEFT"
+    reconciler.run_once()
+    reconciler.run_once()
+    d = job(api, job_id)
+    assert d["state"] == "RUNNING"
+    assert len(d["attempts"]) == 2
+
+
+def test_unknown_node_heartbeat_is_a_404(api: TestClient) -> None:
+    r = api.post("/api/v1/nodes/77/heartbeat", json={"running": []})
+    assert r.status_code == 404
+
+
+def test_bad_node_registration_is_a_422(api: TestClient) -> None:
+    r = api.post(
+        "/api/v1/nodes/register", json={"name": "bad name!", "address": "x", "slots": 0, "pid": 1}
+    )
+    assert r.status_code == 422
+
+
+def test_a_restarted_controller_sees_the_same_world(
+    api: TestClient, reconciler: Reconciler, settings: Any, clock: FakeClock
+) -> None:
+    from service.api.app import create_app
+
+    register(api, "a")
+    job_id = submit(api, "1:1")
+    reconciler.run_once()
+    with TestClient(create_app(settings, clock=clock, run_background=False)) as again:
+        assert job(again, job_id)["state"] == "RUNNING"
+        assert again.get("/api/v1/nodes").json()["items"][0]["job_id"] == job_id

@@ -1,0 +1,151 @@
+"""The wire contract between the controller and its node agents.
+
+Plain pydantic models, importable without torch. The controller answers every
+heartbeat with the *complete* set of attempts the node should be running now
+(level-triggered): an attempt the agent runs that is not in the reply must be
+stopped, one in the reply that the agent does not run must be started.
+
+Events travel from a node to the controller as data (``RuntimeEvent``), whether
+they come from the launcher (rendezvous rounds, worker failures) or from the
+training runtime on rank 0 (start, progress, snapshots, finish). Both write
+JSON lines to the file named by ``EVENTS_FILE_ENV``; the agent tails it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+# Environment variables the node agent sets for the launcher and its workers.
+JOB_ID_ENV = "RELAUNCH_JOB_ID"
+ATTEMPT_ID_ENV = "RELAUNCH_ATTEMPT_ID"
+NODE_NAME_ENV = "RELAUNCH_NODE_NAME"
+SNAPSHOT_DIR_ENV = "RELAUNCH_SNAPSHOT_DIR"
+SNAPSHOT_EVERY_STEPS_ENV = "RELAUNCH_SNAPSHOT_EVERY_STEPS"
+SNAPSHOT_EVERY_EPOCHS_ENV = "RELAUNCH_SNAPSHOT_EVERY_EPOCHS"
+EVENTS_FILE_ENV = "RELAUNCH_EVENTS_FILE"
+
+
+class EventKind(StrEnum):
+    """What a ``RuntimeEvent`` reports; ``data`` keys per kind are listed here.
+
+    From the launcher (any node):
+      RENDEZVOUS      world_size, group_rank, group_world_size, restart_count
+      WORKER_FAILED   local_rank, global_rank, exitcode, message
+      LAUNCHER_EXIT   outcome ("succeeded" | "failed"), exitcode, message
+    From the training runtime (rank 0 only):
+      STARTED         world_size, restart_count, resumed_from_step (int | None), total_steps
+      PROGRESS        step, epoch, loss, samples_per_s, world_size
+      SNAPSHOT        step, epoch, path, bytes
+      FINISHED        step, loss, output_path
+    """
+
+    RENDEZVOUS = "rendezvous"
+    WORKER_FAILED = "worker_failed"
+    LAUNCHER_EXIT = "launcher_exit"
+    STARTED = "started"
+    PROGRESS = "progress"
+    SNAPSHOT = "snapshot"
+    FINISHED = "finished"
+
+
+class RuntimeEvent(BaseModel):
+    time: datetime
+    kind: EventKind
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class NodeRegister(BaseModel):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    address: str = Field(min_length=1, max_length=255)
+    slots: int = Field(ge=1, le=1024)
+    pid: int = Field(ge=0)
+
+
+class NodeRegistered(BaseModel):
+    node_id: int
+    heartbeat_interval_s: float
+
+
+class Entrypoint(BaseModel):
+    """Exactly one of ``module`` and ``script``; ``args`` follow it."""
+
+    module: str | None = None
+    script: str | None = None
+    args: list[str] = Field(default_factory=list)
+
+
+class RendezvousConfig(BaseModel):
+    """c10d rendezvous settings; ``is_host`` is always false on nodes."""
+
+    endpoint: str
+    rdzv_id: str
+    last_call_timeout_s: int = 2
+    join_timeout_s: int = 600
+    keep_alive_interval_s: int = 2
+    keep_alive_max_attempt: int = 3
+
+
+class Assignment(BaseModel):
+    """One attempt of a job that this node must take part in."""
+
+    attempt_id: int
+    job_id: int
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    rendezvous: RendezvousConfig
+    entrypoint: Entrypoint
+    env: dict[str, str] = Field(default_factory=dict)
+    snapshot_dir: str
+    snapshot_every_steps: int | None = None
+    snapshot_every_epochs: int | None = None
+
+
+class RunningAttempt(BaseModel):
+    attempt_id: int
+    launcher_pid: int | None = None
+    processes: int = 0
+
+
+class Heartbeat(BaseModel):
+    running: list[RunningAttempt] = Field(default_factory=list)
+
+
+class HeartbeatReply(BaseModel):
+    assignments: list[Assignment] = Field(default_factory=list)
+
+
+class LogLine(BaseModel):
+    time: datetime
+    local_rank: int | None = None
+    stream: Literal["stdout", "stderr"] = "stdout"
+    line: str = Field(max_length=8192)
+
+
+class AttemptExit(BaseModel):
+    """How the launcher process of an attempt ended on this node.
+
+    ``stopped``: the agent ended it because the controller no longer wants it;
+    ``clean`` then says that no process of the attempt is left on the node.
+    """
+
+    outcome: Literal["succeeded", "failed", "stopped"]
+    exit_code: int | None = None
+    message: str = ""
+    clean: bool = True
+
+
+class AttemptReport(BaseModel):
+    attempt_id: int
+    logs: list[LogLine] = Field(default_factory=list, max_length=5000)
+    events: list[RuntimeEvent] = Field(default_factory=list, max_length=5000)
+    exit: AttemptExit | None = None
+
+
+class ReportAccepted(BaseModel):
+    accepted: bool
