@@ -21,40 +21,42 @@ from service.client import ApiError, RelaunchClient
 
 DEMO_SPEC: dict[str, Any] = {
     "name": "demo-charlm",
-    "task": {"name": "charlm", "params": {"epochs": 3, "seed": 7}},
+    "task": {"name": "charlm", "params": {"epochs": 4, "seed": 7, "log_every_steps": 1}},
     "nnodes": "2:2",
     "nproc_per_node": 1,
     "max_restarts": 3,
-    "snapshot": {"every_steps": 10},
+    "snapshot": {"every_steps": 5},
 }
 KILL_AT_FRACTION = 0.4
 
 
-def job_worker_processes(job_id: int) -> list[psutil.Process]:
-    """Training processes of a job on this machine (not launchers or agents)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if "worker.launch" in cmd or "torch.distributed.run" in cmd:
-                continue
-            if proc.environ().get("RELAUNCH_JOB_ID") == str(job_id):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+def job_processes(snapshot_dir: Path) -> list[psutil.Process]:
+    """Every process on this machine of the job whose snapshot directory is ``snapshot_dir``.
 
-
-def job_processes(job_id: int) -> list[psutil.Process]:
-    """Every process on this machine that carries the job's id (launchers and workers)."""
+    The directory is unique per controller and job, so processes of another
+    controller's job with the same id are never matched.
+    """
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("RELAUNCH_JOB_ID") == str(job_id):
+            if proc.environ().get("RELAUNCH_SNAPSHOT_DIR") == str(snapshot_dir):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def job_worker_processes(snapshot_dir: Path) -> list[psutil.Process]:
+    """The job's training processes (not its launchers)."""
+    workers = []
+    for proc in job_processes(snapshot_dir):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if "worker.launch" not in cmd and "torch.distributed.run" not in cmd:
+            workers.append(proc)
+    return workers
 
 
 @dataclass
@@ -70,6 +72,15 @@ class LocalCluster:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def snapshot_dir(self, job_id: int) -> Path:
+        return self.data_dir / "snapshots" / f"job-{job_id}"
+
+    def job_processes(self, job_id: int) -> list[psutil.Process]:
+        return job_processes(self.snapshot_dir(job_id))
+
+    def job_workers(self, job_id: int) -> list[psutil.Process]:
+        return job_worker_processes(self.snapshot_dir(job_id))
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log_dir = self.log_dir or self.data_dir
@@ -187,13 +198,13 @@ def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
         progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
-            TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("{task.fields[steps]}"),
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             console=console,
         )
         with progress:
-            bar = progress.add_task("waiting for placement", total=None, info="")
+            bar = progress.add_task("waiting for placement", total=None, info="", steps="")
             while True:
                 job = client.job(job_id)
                 step, total = job["last_step"] or 0, job["total_steps"]
@@ -203,12 +214,13 @@ def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
                     description=f"job {job_id} {job['state']:<10}",
                     completed=step,
                     total=total,
+                    steps=f"step {step}/{total or '?'}",
                     info=f"{loss} world {job['world_size'] or '-'} restarts {job['restart_count']}",
                 )
                 if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
                     break
                 if killed_at is None and total and step >= KILL_AT_FRACTION * total:
-                    victims = job_worker_processes(job_id)
+                    victims = cluster.job_workers(job_id)
                     if victims:
                         victim = victims[-1]
                         victim.send_signal(signal.SIGKILL)

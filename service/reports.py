@@ -89,8 +89,7 @@ def _apply_event(
             job.id,
             "worker_failed",
             f"worker rank {data.get('global_rank')} (local rank {data.get('local_rank')} on "
-            f"node {node.name}) exited with code {data.get('exitcode')}: "
-            f"{str(data.get('message') or 'no error message')[:500]}",
+            f"node {node.name}) {_exit_text(data)}",
             event.time,
             **ids,
         )
@@ -221,6 +220,8 @@ def _record_stopped(
     session: Session, job_id: int, node: Node, attempt: Attempt, exit: AttemptExit, now: datetime
 ) -> None:
     left = "nothing left running" if exit.clean else "SOME PROCESSES SURVIVED"
+    if attempt.state is AttemptState.SUCCEEDED:
+        left = f"released after the job succeeded, {left}"
     add_event(
         session,
         job_id,
@@ -238,3 +239,9 @@ def _float_or_none(value: Any) -> float | None:
         return None if value is None else float(value)
     except (TypeError, ValueError):
         return None
+
+
+def _exit_text(data: dict[str, Any]) -> str:
+    code = f"exited with code {data.get('exitcode')}"
+    message = str(data.get("message") or "")[:500]
+    return code if not message or message.startswith(code) else f"{code}: {message}"

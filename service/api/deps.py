@@ -29,6 +29,8 @@ def get_now(request: Request) -> datetime:
     return clock()
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit before the response is sent, so a client that got 201
+# can read what it created at once (the default scope commits after sending).
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[ControllerSettings, Depends(get_settings)]
 NowDep = Annotated[datetime, Depends(get_now)]

@@ -145,6 +145,12 @@ def test_reports_drive_the_job_to_success_through_a_restart(
     d = job(api, job_id)
     assert d["state"] == "SUCCEEDED"
     assert d["attempts"][0]["state"] == "SUCCEEDED"
+    # b still waits in torch's exit barrier; it is released, and says so when it has stopped
+    assert heartbeat(api, b) == []
+    r = report(api, b, attempt_id, exit={"outcome": "stopped", "clean": True})
+    assert r.status_code == 200
+    stopped = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"][-1]
+    assert "released after the job succeeded" in stopped["message"]
     timeline = kinds(api, job_id)
     for expected in (
         "placed",

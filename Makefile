@@ -1,0 +1,38 @@
+# relaunch: `make demo` installs and runs the demo; `make test` installs and runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint postgres bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/relaunch demo
+
+# PostgreSQL for the tests: 127.0.0.1:5432, database `test`, trust auth.
+postgres:
+	@pg_isready -q -h 127.0.0.1 -p 5432 || \
+	  pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql | head -1) main start
+	@for i in $$(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && exit 0; sleep 1; done; \
+	  echo "PostgreSQL is not answering on 127.0.0.1:5432" >&2; exit 1
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: install postgres lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m bench.recovery
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,127 @@
+"""The working core end to end: a worker is SIGKILLed and the job still succeeds."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.client import RelaunchClient
+from service.demo import LocalCluster
+from tests.e2e.conftest import wait_for, wait_no_processes, wait_terminal
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+def regression_spec(name: str, step_delay: float) -> dict[str, Any]:
+    return {
+        "name": name,
+        "task": {
+            "name": "regression",
+            "params": {
+                "epochs": 4,
+                "samples": 1024,
+                "batch_size": 32,
+                "seed": 11,
+                "step_delay": step_delay,
+                "log_every_steps": 2,
+            },
+        },
+        "nnodes": "2:2",
+        "max_restarts": 3,
+        "snapshot": {"every_steps": 8},
+    }
+
+
+def final_model(cluster: LocalCluster, job_id: int) -> dict[str, torch.Tensor]:
+    path = cluster.data_dir / "snapshots" / f"job-{job_id}" / "final.pt"
+    state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
+    return state
+
+
+def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
+    cluster: LocalCluster, client: RelaunchClient
+) -> None:
+    job_id = client.submit(regression_spec("killed", step_delay=0.15))["id"]
+    wait_for(lambda: (client.job(job_id)["last_step"] or 0) >= 20, 120, "step 20")
+    victims = cluster.job_workers(job_id)
+    assert len(victims) == 2, victims  # one worker on each node
+    victims[0].send_signal(signal.SIGKILL)
+
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restart_count"] >= 1
+    events = client.events(job_id)
+    kinds = [e["kind"] for e in events]
+    assert "worker_failed" in kinds
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed, kinds
+    assert resumed[0]["data"]["resumed_from_step"] > 0
+    steps = [m["step"] for m in client.metrics(job_id)]
+    assert steps[-1] == job["total_steps"]
+    wait_no_processes(cluster, job_id)
+
+    reference_id = client.submit(regression_spec("reference", step_delay=0.0))["id"]
+    reference = wait_terminal(client, reference_id)
+    assert reference["state"] == "SUCCEEDED"
+    assert reference["restart_count"] == 0
+    got, want = final_model(cluster, job_id), final_model(cluster, reference_id)
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
+
+
+def test_what_the_api_acknowledged_is_readable_at_once(client: RelaunchClient) -> None:
+    for _ in range(20):
+        job_id = client.submit(regression_spec("visible", step_delay=0.0))["id"]
+        assert client.job(job_id)["id"] == job_id
+        assert client.cancel(job_id)["state"] == "CANCELLED"
+
+
+def test_cancel_ends_every_process_of_the_job(
+    cluster: LocalCluster, client: RelaunchClient
+) -> None:
+    job_id = client.submit(regression_spec("to-cancel", step_delay=0.2))["id"]
+    wait_for(lambda: (client.job(job_id)["last_step"] or 0) >= 2, 120, "training to start")
+    assert cluster.job_workers(job_id)
+    assert client.cancel(job_id)["state"] == "CANCELLED"
+    wait_no_processes(cluster, job_id)
+    stopped = wait_for(
+        lambda: (
+            [e for e in client.events(job_id) if e["kind"] == "node_stopped"]
+            if len([e for e in client.events(job_id) if e["kind"] == "node_stopped"]) == 2
+            else None
+        ),
+        30,
+        "both nodes to report they stopped",
+    )
+    assert all(e["data"]["clean"] for e in stopped)
+    assert client.cancel(job_id)["state"] == "CANCELLED"
+
+
+def test_a_torchrun_script_runs_unchanged_as_a_job(
+    cluster: LocalCluster, client: RelaunchClient, tmp_path: Path
+) -> None:
+    out = tmp_path / "result.json"
+    job_id = client.submit(
+        {
+            "name": "user-script",
+            "script": {
+                "path": str(REPO / "examples" / "torchrun_script.py"),
+                "args": ["--out", str(out)],
+            },
+            "nnodes": "2:2",
+        }
+    )["id"]
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2
+    lines = [entry["line"] for entry in client.logs(job_id)]
+    assert any("done rank=0 world=2" in line for line in lines), lines[-20:]
+    assert any("done rank=1 world=2" in line for line in lines), lines[-20:]

@@ -1,0 +1,121 @@
+"""DistEnv and TrainerConfig read from the environment; process-group set-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from worker.runtime.config import TrainerConfig
+from worker.runtime.env import DistEnv, init_distributed, shutdown_distributed
+
+TORCHRUN_ENV = {
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29400",
+}
+
+
+def test_defaults_without_launcher() -> None:
+    env = DistEnv.from_environ({})
+    assert env == DistEnv()
+    assert (env.rank, env.world_size, env.restart_count, env.launched) == (0, 1, 0, False)
+    assert env.is_rank_zero
+
+
+def test_reads_torchrun_variables() -> None:
+    env = DistEnv.from_environ(TORCHRUN_ENV)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert (env.group_rank, env.restart_count) == (1, 2)
+    assert (env.master_addr, env.master_port, env.launched) == ("10.0.0.1", 29400, True)
+    assert not env.is_rank_zero
+
+
+@pytest.mark.parametrize(
+    "override,name",
+    [
+        ({"RANK": "x"}, "RANK"),
+        ({"RANK": "4"}, "RANK"),
+        ({"LOCAL_RANK": "2"}, "LOCAL_RANK"),
+        ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE"),
+        ({"TORCHELASTIC_RESTART_COUNT": "-1"}, "TORCHELASTIC_RESTART_COUNT"),
+        ({"MASTER_PORT": "http"}, "MASTER_PORT"),
+    ],
+)
+def test_bad_variables_are_named(override: dict[str, str], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        DistEnv.from_environ({**TORCHRUN_ENV, **override})
+
+
+def test_single_process_group_without_launcher() -> None:
+    device = init_distributed(DistEnv())
+    try:
+        assert device == torch.device("cpu")
+        assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [1.0, 1.0]
+        with pytest.raises(RuntimeError, match="already"):
+            init_distributed(DistEnv())
+    finally:
+        shutdown_distributed()
+    assert not dist.is_initialized()
+    shutdown_distributed()  # idempotent
+
+
+def test_config_snapshot_settings_from_env() -> None:
+    environ = {
+        "RELAUNCH_SNAPSHOT_DIR": "/data/snaps",
+        "RELAUNCH_SNAPSHOT_EVERY_STEPS": "50",
+        "RELAUNCH_SNAPSHOT_EVERY_EPOCHS": "2",
+    }
+    config = TrainerConfig.from_environ(environ, max_epochs=3, batch_size=8, lr=0.1)
+    assert (config.snapshot_dir, config.snapshot_every_steps, config.snapshot_every_epochs) == (
+        "/data/snaps",
+        50,
+        2,
+    )
+    assert str(config.final_output_path) == "/data/snaps/final.pt"
+    explicit = TrainerConfig.from_environ(
+        environ, max_epochs=3, batch_size=8, lr=0.1, snapshot_dir="mine", snapshot_every_steps=5
+    )
+    assert (explicit.snapshot_dir, explicit.snapshot_every_steps) == ("mine", 5)
+
+
+def test_config_defaults_snapshot_every_epoch() -> None:
+    config = TrainerConfig.from_environ({}, max_epochs=1, batch_size=1, lr=1.0, output_path="m.pt")
+    assert (config.snapshot_dir, config.snapshot_every_steps, config.snapshot_every_epochs) == (
+        "./snapshots",
+        None,
+        1,
+    )
+    assert str(config.final_output_path) == "m.pt"
+
+
+@pytest.mark.parametrize("value", ["soon", "-3"])
+def test_config_bad_env_is_named(value: str) -> None:
+    with pytest.raises(ValueError, match="RELAUNCH_SNAPSHOT_EVERY_STEPS"):
+        TrainerConfig.from_environ(
+            {"RELAUNCH_SNAPSHOT_EVERY_STEPS": value}, max_epochs=1, batch_size=1, lr=1.0
+        )
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_epochs", 0),
+        ("batch_size", 0),
+        ("lr", 0.0),
+        ("step_delay_s", -1.0),
+        ("stop_after_steps", 0),
+    ],
+)
+def test_config_validates(field: str, value: float) -> None:
+    kwargs: dict[str, float] = {"max_epochs": 1, "batch_size": 1, "lr": 0.1, field: value}
+    with pytest.raises(ValueError, match=field):
+        TrainerConfig(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,15 @@
+"""The training runtime that runs inside each worker process.
+
+Modules, imported one by one (this package imports nothing, so importing one of
+them does not pull in the others):
+
+- ``env``: the launcher's environment (``DistEnv``) and process-group set-up.
+- ``events``: ``EventWriter``, rank 0's JSON-lines channel to the node agent.
+- ``snapshot``: the ``Snapshot`` record and its atomic save / newest-valid load;
+  ``rng`` its RNG states; ``state`` capture from and restore into a live run.
+- ``sampler``: ``ResumableDistributedSampler``, resumable mid-epoch at any world size.
+- ``setup``: seeding and model preparation (BatchNorm → SyncBatchNorm on CUDA).
+- ``collectives``: snapshot agreement across ranks, loss averaging.
+- ``config``: ``TrainerConfig``.
+- ``trainer``: ``Trainer``, the DDP training loop tying the above together.
+"""

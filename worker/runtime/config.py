@@ -1,0 +1,110 @@
+"""``TrainerConfig``: how long to train and when to snapshot and report.
+
+The node agent passes the snapshot settings through the environment
+(``RELAUNCH_SNAPSHOT_DIR``, ``RELAUNCH_SNAPSHOT_EVERY_STEPS``,
+``RELAUNCH_SNAPSHOT_EVERY_EPOCHS``); ``TrainerConfig.from_environ`` fills them in
+where the caller gave no explicit value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.protocol import (
+    SNAPSHOT_DIR_ENV,
+    SNAPSHOT_EVERY_EPOCHS_ENV,
+    SNAPSHOT_EVERY_STEPS_ENV,
+)
+
+DEFAULT_SNAPSHOT_DIR = "./snapshots"
+
+
+def _optional_count(environ: Mapping[str, str], name: str) -> int | None:
+    raw = (environ.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Settings of one training run.
+
+    ``batch_size`` is per rank. A snapshot is taken after every
+    ``snapshot_every_steps``-th global step and after every
+    ``snapshot_every_epochs``-th epoch (``None`` or 0 turns either off), and
+    always once at the end. ``stop_after_steps`` ends ``train()`` early, with a
+    snapshot, once that many global steps are done (for drills and tests); the
+    run then counts as unfinished and writes no final model. ``drop_last_batch``
+    skips each rank's short last batch of an epoch (BatchNorm cannot train on a
+    batch of one).
+    """
+
+    max_epochs: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+    snapshot_every_steps: int | None = None
+    snapshot_every_epochs: int | None = 1
+    snapshot_dir: str = DEFAULT_SNAPSHOT_DIR
+    snapshot_keep: int = 2
+    log_every_steps: int = 10
+    step_delay_s: float = 0.0
+    output_path: str | None = None
+    stop_after_steps: int | None = None
+    drop_last_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_epochs < 1:
+            raise ValueError(f"max_epochs must be >= 1, got {self.max_epochs}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.log_every_steps < 1:
+            raise ValueError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
+        if self.step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {self.step_delay_s}")
+        if self.snapshot_keep < 1:
+            raise ValueError(f"snapshot_keep must be >= 1, got {self.snapshot_keep}")
+        for name in ("snapshot_every_steps", "snapshot_every_epochs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise ValueError(f"stop_after_steps must be >= 1 or None, got {self.stop_after_steps}")
+
+    @property
+    def final_output_path(self) -> Path:
+        """Where the final model goes: ``output_path`` or ``<snapshot_dir>/final.pt``."""
+        if self.output_path:
+            return Path(self.output_path)
+        return Path(self.snapshot_dir) / "final.pt"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ, **fields: Any) -> TrainerConfig:
+        """A config whose snapshot settings that are missing or ``None`` in ``fields``
+        come from ``environ``.
+
+        Precedence: an explicit value, then the ``RELAUNCH_SNAPSHOT_*`` variable,
+        then the default (``./snapshots``, no step snapshots, every epoch). Raises
+        ``ValueError`` naming a variable that is not a count >= 0.
+        """
+        if fields.get("snapshot_dir") is None:
+            fields["snapshot_dir"] = environ.get(SNAPSHOT_DIR_ENV) or DEFAULT_SNAPSHOT_DIR
+        if fields.get("snapshot_every_steps") is None:
+            fields["snapshot_every_steps"] = _optional_count(environ, SNAPSHOT_EVERY_STEPS_ENV)
+        if fields.get("snapshot_every_epochs") is None:
+            env_epochs = _optional_count(environ, SNAPSHOT_EVERY_EPOCHS_ENV)
+            fields["snapshot_every_epochs"] = 1 if env_epochs is None else env_epochs
+        return cls(**fields)

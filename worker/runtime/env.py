@@ -1,0 +1,155 @@
+"""The launcher's environment, read once, and process-group set-up.
+
+torchrun (and relaunch's node agent, which runs torchrun) tells each worker who
+it is through environment variables. ``DistEnv`` reads them; a process started
+without a launcher gets the single-process defaults (rank 0 of a world of 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+RANK_ENV = "RANK"
+LOCAL_RANK_ENV = "LOCAL_RANK"
+WORLD_SIZE_ENV = "WORLD_SIZE"
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
+GROUP_RANK_ENV = "GROUP_RANK"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+MASTER_ADDR_ENV = "MASTER_ADDR"
+MASTER_PORT_ENV = "MASTER_PORT"
+
+DEFAULT_PG_TIMEOUT = timedelta(minutes=5)
+
+
+def _int_var(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this worker is, as the launcher said.
+
+    Holds: ``0 <= rank < world_size``, ``0 <= local_rank < local_world_size``,
+    ``restart_count >= 0``. ``launched`` is true when ``WORLD_SIZE`` was set,
+    i.e. a launcher (torchrun) started this process and expects a process group
+    built from ``MASTER_ADDR``/``MASTER_PORT``.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    launched: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"{WORLD_SIZE_ENV} must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{RANK_ENV}={self.rank} is outside [0, {self.world_size})")
+        if self.local_world_size < 1:
+            raise ValueError(f"{LOCAL_WORLD_SIZE_ENV} must be >= 1, got {self.local_world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"{LOCAL_RANK_ENV}={self.local_rank} is outside [0, {self.local_world_size})"
+            )
+        if self.group_rank < 0:
+            raise ValueError(f"{GROUP_RANK_ENV} must be >= 0, got {self.group_rank}")
+        if self.restart_count < 0:
+            raise ValueError(f"{RESTART_COUNT_ENV} must be >= 0, got {self.restart_count}")
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
+        """Read the launcher's variables; a missing one takes its single-process default.
+
+        Raises ``ValueError`` naming the variable when one is not an integer or the
+        values contradict each other (e.g. ``RANK`` >= ``WORLD_SIZE``).
+        """
+        launched = bool(environ.get(WORLD_SIZE_ENV, "").strip())
+        world_size = _int_var(environ, WORLD_SIZE_ENV, 1)
+        master_port_raw = environ.get(MASTER_PORT_ENV)
+        return cls(
+            rank=_int_var(environ, RANK_ENV, 0),
+            local_rank=_int_var(environ, LOCAL_RANK_ENV, 0),
+            world_size=world_size,
+            local_world_size=_int_var(environ, LOCAL_WORLD_SIZE_ENV, world_size if launched else 1),
+            group_rank=_int_var(environ, GROUP_RANK_ENV, 0),
+            restart_count=_int_var(environ, RESTART_COUNT_ENV, 0),
+            master_addr=environ.get(MASTER_ADDR_ENV) or None,
+            master_port=_int_var(environ, MASTER_PORT_ENV, 0) if master_port_raw else None,
+            launched=launched,
+        )
+
+
+def device_for(env: DistEnv) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(env: DistEnv, timeout: timedelta = DEFAULT_PG_TIMEOUT) -> torch.device:
+    """Join the default process group and return the device this rank computes on.
+
+    CUDA: nccl, after ``torch.cuda.set_device(local_rank)``. CPU: gloo. Under a
+    launcher (``env.launched``) the group comes from the ``env://`` variables;
+    without one a private single-process gloo group is built on a loopback
+    TCPStore with a free port, so the same DDP code runs either way.
+    ``timeout`` bounds every collective: a peer that froze is noticed after it.
+    Raises ``RuntimeError`` if a process group already exists.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("the default process group is already initialized")
+    device = device_for(env)
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    if env.launched:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    logger.info(
+        "joined process group: backend=%s rank=%d world_size=%d device=%s restart_count=%d",
+        backend,
+        env.rank,
+        env.world_size,
+        device,
+        env.restart_count,
+    )
+    return device
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if there is one (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""Between a live training run and a ``Snapshot``: what is captured, what is restored."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV
+from worker.runtime.rng import RngState
+from worker.runtime.snapshot import Snapshot
+
+
+def capture_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    *,
+    step: int,
+    epoch: int,
+    samples_consumed: int,
+    world_size: int,
+    seed: int,
+    device: torch.device,
+    environ: Mapping[str, str] = os.environ,
+) -> Snapshot:
+    """A snapshot of the run after ``step``; ``model`` must be the unwrapped module.
+
+    ``extra`` records the job and attempt that wrote it, when the agent set them.
+    """
+    ids = (("job_id", JOB_ID_ENV), ("attempt_id", ATTEMPT_ID_ENV))
+    return Snapshot(
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        scheduler_state=scheduler.state_dict() if scheduler is not None else None,
+        step=step,
+        epoch=epoch,
+        samples_consumed=samples_consumed,
+        world_size=world_size,
+        seed=seed,
+        rng=RngState.capture(device),
+        extra={key: environ[var] for key, var in ids if var in environ},
+    )
+
+
+def restore_state(
+    snapshot: Snapshot,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    device: torch.device,
+) -> None:
+    """Load ``snapshot`` into the unwrapped ``model``, ``optimizer``, ``scheduler`` and
+    the RNGs. Raises what ``load_state_dict`` raises when the shapes do not fit."""
+    model.load_state_dict(snapshot.model_state)
+    optimizer.load_state_dict(snapshot.optimizer_state)
+    if scheduler is not None and snapshot.scheduler_state is not None:
+        scheduler.load_state_dict(snapshot.scheduler_state)
+    snapshot.rng.restore(device)
