@@ -50,8 +50,14 @@ def main() -> None:
                 f.write(json.dumps({"t": time.time(), "step": step, "world": world}) + "\n")
             if step % args.snapshot_every == 0:
                 tmp = f"{args.snapshot}.tmp"
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "step": step}, tmp)
+                torch.save(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "step": step,
+                    },
+                    tmp,
+                )
                 os.replace(tmp, args.snapshot)
         time.sleep(args.step_time)
     dist.destroy_process_group()

@@ -135,11 +135,21 @@ class RawTorchrun:
         def start_node(name: str) -> None:
             log = open(self.work / f"raw-{index}-{name}.log", "wb")  # noqa: SIM115
             proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3",
-                 "--nproc-per-node=1", "--max-restarts=3", f"--rdzv-id=bench{index}",
-                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                 *trial.probe_args()],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=1:3",
+                    "--nproc-per-node=1",
+                    "--max-restarts=3",
+                    f"--rdzv-id=bench{index}",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    *trial.probe_args(),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             self.procs.append(proc)
             trial.nodes[name] = proc.pid
@@ -164,8 +174,9 @@ class Relaunch:
     name = "relaunch"
 
     def __init__(self, work: Path) -> None:
-        self.cluster = LocalCluster(data_dir=work / "relaunch", port=free_port(),
-                                    store_port=free_port())
+        self.cluster = LocalCluster(
+            data_dir=work / "relaunch", port=free_port(), store_port=free_port()
+        )
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
         self.cluster.start_controller()
         self.client = RelaunchClient(self.cluster.url)
@@ -188,8 +199,12 @@ class Relaunch:
         start_node("b")
         self.cluster.wait_nodes(2)
         job = self.client.submit(
-            {"name": f"bench-{index}", "nnodes": "1:3", "max_restarts": 3,
-             "script": {"path": str(PROBE), "args": trial.probe_args()[1:]}}
+            {
+                "name": f"bench-{index}",
+                "nnodes": "1:3",
+                "max_restarts": 3,
+                "script": {"path": str(PROBE), "args": trial.probe_args()[1:]},
+            }
         )
         try:
             yield trial, start_node
@@ -201,8 +216,9 @@ class Relaunch:
             trial.sweep()
 
 
-def run_trial(system: RawTorchrun | Relaunch, scenario: str, index: int, timeout_s: float
-              ) -> float | None:
+def run_trial(
+    system: RawTorchrun | Relaunch, scenario: str, index: int, timeout_s: float
+) -> float | None:
     _, expected = SCENARIOS[scenario]
     with system.trial(index) as (trial, start_node):
         if trial.first_step(0.0, 2, timeout_s=120) is None:
@@ -225,8 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--timeout", type=float, default=90.0,
-                        help="seconds after the fault before a trial counts as 'never'")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=90.0,
+        help="seconds after the fault before a trial counts as 'never'",
+    )
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
@@ -264,10 +284,16 @@ def _median(values: list[float | None]) -> float | None:
     return None if lo is None or hi is None else statistics.mean([lo, hi])
 
 
-def print_table(results: dict[tuple[str, str], list[float | None]], scenarios: list[str],
-                repeats: int, timeout: float) -> None:
-    table = Table(title=f"seconds from fault to first step at the new world size "
-                        f"(median of {repeats}; 'never' = not within {timeout:.0f} s)")
+def print_table(
+    results: dict[tuple[str, str], list[float | None]],
+    scenarios: list[str],
+    repeats: int,
+    timeout: float,
+) -> None:
+    table = Table(
+        title=f"seconds from fault to first step at the new world size "
+        f"(median of {repeats}; 'never' = not within {timeout:.0f} s)"
+    )
     for col in ("scenario", "fault", "raw torchrun", "relaunch", "raw / relaunch"):
         table.add_column(col)
     for scenario in scenarios:
@@ -275,11 +301,13 @@ def print_table(results: dict[tuple[str, str], list[float | None]], scenarios: l
         rl = _median(results.get((scenario, "relaunch"), []))
         ratio = "-"
         if rl is not None:
-            ratio = "∞" if raw is None else f"{raw / rl:.1f}×"
+            ratio = "∞" if raw is None else f"{raw / rl:.1f}x"
         table.add_row(
-            scenario, SCENARIOS[scenario][0],
+            scenario,
+            SCENARIOS[scenario][0],
             _cell(raw, results.get((scenario, "raw torchrun"), [])),
-            _cell(rl, results.get((scenario, "relaunch"), [])), ratio,
+            _cell(rl, results.get((scenario, "relaunch"), [])),
+            ratio,
         )
     console.print(table)
 

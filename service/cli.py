@@ -102,7 +102,6 @@ def agent(
 ) -> None:
     """Run a node agent: register with the controller and run what it assigns."""
     from worker.agent import run_agent
-
     from worker.settings import AgentSettings
 
     _setup_logging(log_level)

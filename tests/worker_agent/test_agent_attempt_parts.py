@@ -1,0 +1,212 @@
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from worker.attempt import (
+    EventsTail,
+    LogOutbox,
+    attempt_marker,
+    build_launcher_env,
+    build_torchrun_args,
+    parse_console_line,
+)
+from worker.protocol import (
+    Assignment,
+    Entrypoint,
+    EventKind,
+    LogLine,
+    RendezvousConfig,
+    RuntimeEvent,
+)
+from worker.settings import AgentSettings
+
+
+def _assignment(**overrides: object) -> Assignment:
+    fields: dict[str, object] = {
+        "attempt_id": 12,
+        "job_id": 3,
+        "min_nodes": 1,
+        "max_nodes": 4,
+        "nproc_per_node": 2,
+        "max_restarts": 5,
+        "rendezvous": RendezvousConfig(
+            endpoint="10.0.0.1:29400",
+            rdzv_id="job-3-attempt-12",
+            last_call_timeout_s=2,
+            join_timeout_s=600,
+            keep_alive_interval_s=2,
+            keep_alive_max_attempt=3,
+        ),
+        "entrypoint": Entrypoint(module="pkg.train", args=["--epochs", "3"]),
+        "env": {"FOO": "bar", "RELAUNCH_ATTEMPT_ID": "spoofed"},
+        "snapshot_dir": "/snap/3",
+    }
+    fields.update(overrides)
+    return Assignment.model_validate(fields)
+
+
+def test_torchrun_args_for_a_module() -> None:
+    args = build_torchrun_args(_assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"))
+    assert args == [
+        "--nnodes", "1:4",
+        "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "10.0.0.1:29400",
+        "--rdzv-id", "job-3-attempt-12",
+        "--rdzv-conf",
+        "is_host=false,last_call_timeout=2,join_timeout=600,"
+        "keep_alive_interval=2,keep_alive_max_attempt=3",
+        "--max-restarts", "5",
+        "--monitor-interval", "0.2",
+        "--local-addr", "10.0.0.7",
+        "--tee", "3",
+        "--log-dir", "/w/logs",
+        "-m", "pkg.train", "--epochs", "3",
+    ]  # fmt: skip
+
+
+def test_torchrun_args_accepted_by_torchrun_parser() -> None:
+    from torch.distributed.run import parse_args
+
+    args = build_torchrun_args(_assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"))
+    ns = parse_args(args)
+    assert ns.module and ns.training_script == "pkg.train"
+    assert ns.training_script_args == ["--epochs", "3"]
+    assert ns.tee == "3" and ns.nnodes == "1:4" and ns.max_restarts == 5
+
+
+def test_torchrun_args_for_a_script() -> None:
+    entry = Entrypoint(script="/code/train.py", args=["-x"])
+    args = build_torchrun_args(_assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"))
+    assert args[-2:] == ["/code/train.py", "-x"]
+    assert "-m" not in args
+
+
+@pytest.mark.parametrize(
+    "entry", [Entrypoint(), Entrypoint(module="m", script="s.py")], ids=["none", "both"]
+)
+def test_entrypoint_needs_exactly_one(entry: Entrypoint) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        build_torchrun_args(_assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"))
+
+
+def test_launcher_env(tmp_path: Path) -> None:
+    settings = AgentSettings(
+        controller_url="http://c:1", name="node-a", work_dir=tmp_path / "agent", stop_grace_s=5
+    )
+    base = {"PATH": "/bin", "PET_TEE": "0", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "x"}
+    env = build_launcher_env(
+        _assignment(snapshot_every_steps=10),
+        settings=settings,
+        events_file=tmp_path / "ev.jsonl",
+        base_env=base,
+    )
+    assert env["PATH"] == "/bin" and env["FOO"] == "bar"
+    assert "PET_TEE" not in env and "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in env
+    assert env["RELAUNCH_JOB_ID"] == "3"
+    assert env["RELAUNCH_ATTEMPT_ID"] == "12"  # ours wins over assignment.env
+    assert env["RELAUNCH_NODE_NAME"] == "node-a"
+    assert env["RELAUNCH_NODE_AGENT_DIR"] == str(settings.work_dir.resolve())
+    assert env["RELAUNCH_SNAPSHOT_DIR"] == "/snap/3"
+    assert env["RELAUNCH_SNAPSHOT_EVERY_STEPS"] == "10"
+    assert "RELAUNCH_SNAPSHOT_EVERY_EPOCHS" not in env
+    assert env["RELAUNCH_EVENTS_FILE"] == str(tmp_path / "ev.jsonl")
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "4"
+    assert env["PYTHONUNBUFFERED"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("[default0]:hello", (0, "hello")),
+        ("[default13]:[default1]:x", (13, "[default1]:x")),
+        ("[default2]:", (2, "")),
+        ("W1122 11:06 run.py:874] warn", (None, "W1122 11:06 run.py:874] warn")),
+        ("[trainer0]:other role", (None, "[trainer0]:other role")),
+        (" [default0]:indented", (None, " [default0]:indented")),
+    ],
+)  # fmt: skip
+def test_parse_console_line(raw: str, expected: tuple[int | None, str]) -> None:
+    assert parse_console_line(raw) == expected
+
+
+def _line(text: str) -> LogLine:
+    return LogLine(time=datetime.now(UTC), line=text)
+
+
+def test_outbox_keeps_lines_until_committed() -> None:
+    box = LogOutbox()
+    for i in range(5):
+        box.put(_line(str(i)))
+    first = box.peek(3)
+    assert [x.line for x in first.lines] == ["0", "1", "2"] and not first.complete
+    again = box.peek(3)  # not committed: the same batch comes back
+    assert [x.line for x in again.lines] == ["0", "1", "2"]
+    box.commit(first)
+    box.put(_line("5"))
+    rest = box.peek(10)
+    assert [x.line for x in rest.lines] == ["3", "4", "5"] and rest.complete
+
+
+def test_outbox_batches_are_bounded_in_size() -> None:
+    box = LogOutbox()
+    for text in ["a" * 10, "b" * 10, "c" * 10]:
+        box.put(_line(text))
+    assert [x.line for x in box.peek(10, max_chars=25).lines] == ["a" * 10, "b" * 10]
+    assert len(box.peek(10, max_chars=5).lines) == 1  # always makes progress
+
+
+def test_outbox_caps_memory_and_says_so() -> None:
+    box = LogOutbox(max_lines=3)
+    for i in range(5):
+        box.put(_line(str(i)))
+    batch = box.peek(10)
+    assert "2 log lines dropped" in batch.lines[0].line
+    assert [x.line for x in batch.lines[1:]] == ["2", "3", "4"]
+    box.commit(batch)
+    assert box.peek(10).lines == []
+
+
+def test_events_tail_reads_complete_lines_from_the_delivered_offset(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    tail = EventsTail(path)
+    assert tail.peek(10).events == []
+
+    def event(step: int) -> str:
+        ev = RuntimeEvent(time=datetime.now(UTC), kind=EventKind.PROGRESS, data={"step": step})
+        return ev.model_dump_json() + "\n"
+
+    path.write_text(event(1) + "not json\n" + event(2) + event(3)[:10])
+    batch = tail.peek(10)
+    assert [e.data["step"] for e in batch.events] == [1, 2]
+    assert batch.complete is False  # a partial line is pending
+    tail.commit(batch)
+    with path.open("a") as fp:
+        fp.write(event(3)[10:] + event(4))
+    first = tail.peek(1)
+    assert [e.data["step"] for e in first.events] == [3]
+    tail.commit(first)
+    last = tail.peek(10)
+    assert [e.data["step"] for e in last.events] == [4] and last.complete
+
+
+def test_events_tail_finds_the_launcher_exit(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    lines = [
+        {"time": "2026-01-01T00:00:00Z", "kind": "rendezvous", "data": {}},
+        {"time": "2026-01-01T00:00:01Z", "kind": "launcher_exit", "data": {"message": "m"}},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    found = EventsTail(path).last_of_kind(EventKind.LAUNCHER_EXIT)
+    assert found is not None and found.data["message"] == "m"
+    assert EventsTail(tmp_path / "none").last_of_kind(EventKind.LAUNCHER_EXIT) is None
+
+
+def test_markers_of_two_agents_with_one_node_name_differ(tmp_path: Path) -> None:
+    one = AgentSettings(controller_url="http://c:1", name="node-a", work_dir=tmp_path / "1")
+    two = AgentSettings(controller_url="http://c:2", name="node-a", work_dir=tmp_path / "2")
+    assert attempt_marker(one, 1) != attempt_marker(two, 1)
+    assert attempt_marker(one, 1)["RELAUNCH_ATTEMPT_ID"] == "1"

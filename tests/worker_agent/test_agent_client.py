@@ -1,0 +1,89 @@
+import httpx
+import pytest
+
+from worker.client import (
+    ControllerClient,
+    ControllerError,
+    ControllerUnavailableError,
+    FencedError,
+    UnknownNodeError,
+)
+from worker.protocol import AttemptReport, Heartbeat, NodeRegister
+
+
+def _client(handler: httpx.MockTransport, attempts: int = 3) -> ControllerClient:
+    return ControllerClient(
+        "http://controller:8000/", transport=handler, attempts=attempts, backoff_s=0.001
+    )
+
+
+def test_register_posts_to_the_api_and_parses_the_reply() -> None:
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"node_id": 4, "heartbeat_interval_s": 1.5})
+
+    with _client(httpx.MockTransport(handle)) as client:
+        reply = client.register(NodeRegister(name="n", address="a", slots=2, pid=1))
+    assert reply.node_id == 4 and reply.heartbeat_interval_s == 1.5
+    assert str(seen[0].url) == "http://controller:8000/api/v1/nodes/register"
+    assert NodeRegister.model_validate_json(seen[0].content).slots == 2
+
+
+def test_connection_errors_are_retried_then_reported_as_unavailable() -> None:
+    calls = 0
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"assignments": []})
+
+    with _client(httpx.MockTransport(handle)) as client:
+        assert client.heartbeat(1, Heartbeat()).assignments == []
+    assert calls == 3
+
+    def always_down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    with (
+        _client(httpx.MockTransport(always_down)) as client,
+        pytest.raises(ControllerUnavailableError),
+    ):
+        client.heartbeat(1, Heartbeat())
+
+
+def test_gateway_errors_are_retried() -> None:
+    codes = iter([503, 502, 200])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        code = next(codes)
+        return httpx.Response(code, json={"accepted": True} if code == 200 else {})
+
+    with _client(httpx.MockTransport(handle)) as client:
+        assert client.report(1, AttemptReport(attempt_id=1)).accepted
+
+
+def test_404_on_heartbeat_means_unknown_node() -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(404, json={"detail": "no"}))
+    with _client(transport) as client, pytest.raises(UnknownNodeError):
+        client.heartbeat(9, Heartbeat())
+
+
+def test_409_on_report_means_fenced() -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(409, json={"detail": "gone"}))
+    with _client(transport) as client, pytest.raises(FencedError):
+        client.report(1, AttemptReport(attempt_id=3))
+
+
+def test_other_errors_and_bad_replies_are_controller_errors() -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(422, json={"detail": "bad"}))
+    with _client(transport) as client, pytest.raises(ControllerError) as info:
+        client.report(1, AttemptReport(attempt_id=3))
+    assert info.value.status_code == 422
+
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, json={"unexpected": 1}))
+    with _client(transport) as client, pytest.raises(ControllerError):
+        client.register(NodeRegister(name="n", address="a", slots=1, pid=1))

@@ -1,0 +1,108 @@
+"""worker.launch on its own: torch's elastic agent in-process, events as data."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+_FLAKY_WORKER = textwrap.dedent(
+    """
+    import os, sys
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    print(f"rank {local_rank} incarnation {restart}", flush=True)
+    if local_rank == 1 and restart == 0:
+        sys.exit(3)
+    """
+)
+
+_FAILING_WORKER = textwrap.dedent(
+    """
+    import os
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main() -> None:
+        if os.environ["LOCAL_RANK"] == "0":
+            raise RuntimeError("bad batch")
+
+    main()
+    """
+)
+
+
+def _launch(tmp_path: Path, script: str, max_restarts: int) -> tuple[int, list[dict[str, Any]]]:
+    program = tmp_path / "train.py"
+    program.write_text(script)
+    events = tmp_path / "events.jsonl"
+    argv = [
+        sys.executable, "-m", "worker.launch", "--events-file", str(events),
+        "--parent-pid", str(os.getpid()), "--",
+        "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+        "--tee", "3", "--log-dir", str(tmp_path / "logs"),
+        str(program),
+    ]  # fmt: skip
+    run = subprocess.run(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = events.read_text().splitlines() if events.exists() else []
+    assert run.stdout or run.stderr
+    return run.returncode, [json.loads(line) for line in lines]
+
+
+def _of(kind: str, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["data"] for e in events if e["kind"] == kind]
+
+
+def test_a_worker_failure_is_restarted_and_recorded(tmp_path: Path) -> None:
+    code, events = _launch(tmp_path, _FLAKY_WORKER, max_restarts=1)
+    assert code == 0
+    rounds = _of("rendezvous", events)
+    assert [r["restart_count"] for r in rounds] == [0, 1]
+    assert all(r["world_size"] == 2 and r["group_world_size"] == 1 for r in rounds)
+    failed = _of("worker_failed", events)
+    assert {"local_rank": 1, "global_rank": 1, "exitcode": 3} in [
+        {k: f[k] for k in ("local_rank", "global_rank", "exitcode")} for f in failed
+    ]
+    assert _of("launcher_exit", events) == [{"outcome": "succeeded", "exitcode": 0, "message": ""}]
+    assert events[-1]["kind"] == "launcher_exit"
+
+
+def test_a_failure_without_restarts_left_fails_the_launcher(tmp_path: Path) -> None:
+    code, events = _launch(tmp_path, _FAILING_WORKER, max_restarts=0)
+    assert code != 0
+    assert len(_of("rendezvous", events)) == 1
+    failed = [f for f in _of("worker_failed", events) if f["local_rank"] == 0]
+    assert failed and failed[0]["exitcode"] == 1
+    assert failed[0]["message"] == "RuntimeError: bad batch"
+    (exit_event,) = _of("launcher_exit", events)
+    assert exit_event["outcome"] == "failed"
+    assert exit_event["exitcode"] == code
+    assert "RuntimeError: bad batch" in exit_event["message"]
+
+
+def test_bad_torchrun_arguments_still_end_with_a_launcher_exit(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.launch", "--events-file", str(events), "--",
+         "--no-such-flag"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2
+    (line,) = events.read_text().splitlines()
+    assert json.loads(line)["data"]["outcome"] == "failed"

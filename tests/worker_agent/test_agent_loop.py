@@ -1,0 +1,97 @@
+"""NodeAgent.step against a scripted client and a hand-moved clock (no processes)."""
+
+from pathlib import Path
+
+from worker.agent import NodeAgent
+from worker.client import ControllerClient, ControllerUnavailableError, UnknownNodeError
+from worker.protocol import (
+    AttemptReport,
+    Heartbeat,
+    HeartbeatReply,
+    NodeRegister,
+    NodeRegistered,
+    ReportAccepted,
+)
+from worker.settings import AgentSettings
+
+
+class ScriptedClient(ControllerClient):
+    def __init__(self) -> None:
+        super().__init__("http://unused.invalid")
+        self.calls: list[str] = []
+        self.register_failures = 0
+        self.heartbeat_failures: list[Exception] = []
+
+    def register(self, body: NodeRegister) -> NodeRegistered:
+        self.calls.append("register")
+        if self.register_failures:
+            self.register_failures -= 1
+            raise ControllerUnavailableError("down")
+        return NodeRegistered(node_id=7, heartbeat_interval_s=2.0)
+
+    def heartbeat(self, node_id: int, body: Heartbeat) -> HeartbeatReply:
+        self.calls.append(f"heartbeat {node_id}")
+        if self.heartbeat_failures:
+            raise self.heartbeat_failures.pop(0)
+        return HeartbeatReply()
+
+    def report(self, node_id: int, body: AttemptReport) -> ReportAccepted:
+        self.calls.append("report")
+        return ReportAccepted(accepted=True)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _agent(tmp_path: Path) -> tuple[NodeAgent, ScriptedClient, Clock]:
+    settings = AgentSettings(controller_url="http://c:1", name="loop", work_dir=tmp_path)
+    client, clock = ScriptedClient(), Clock()
+    return NodeAgent(settings, client, clock=clock), client, clock
+
+
+def test_registration_backs_off_then_heartbeats_on_the_controllers_interval(
+    tmp_path: Path,
+) -> None:
+    agent, client, clock = _agent(tmp_path)
+    client.register_failures = 2
+    agent.step()  # fails; next try in 0.5 s
+    clock.now += 0.3
+    agent.step()
+    assert client.calls == ["register"]
+    clock.now += 0.3
+    agent.step()  # fails again; next try in 1 s
+    clock.now += 0.9
+    agent.step()
+    assert client.calls == ["register", "register"]
+    clock.now += 0.2
+    agent.step()
+    assert agent.node_id == 7
+    agent.step()
+    assert client.calls[-1] == "heartbeat 7"
+    clock.now += 1.9
+    agent.step()
+    assert client.calls.count("heartbeat 7") == 1
+    clock.now += 0.2
+    agent.step()
+    assert client.calls.count("heartbeat 7") == 2
+
+
+def test_unknown_node_registers_again_and_outages_are_survived(tmp_path: Path) -> None:
+    agent, client, clock = _agent(tmp_path)
+    agent.step()
+    agent.step()
+    client.heartbeat_failures = [ControllerUnavailableError("down"), UnknownNodeError("404")]
+    clock.now += 2.0
+    agent.step()  # unavailable: keep the node id, try again next interval
+    assert agent.node_id == 7
+    clock.now += 2.0
+    agent.step()  # 404: forget the node id
+    assert agent.node_id is None
+    agent.step()
+    assert agent.node_id == 7
+    assert client.calls.count("register") == 2

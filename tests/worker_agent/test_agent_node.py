@@ -1,0 +1,340 @@
+"""The node agent as a real process against a fake controller.
+
+The fake controller implements the three node endpoints and records what it
+receives. The rendezvous store is hosted here, in the test process, as it will
+be by the service (agents run with is_host=false).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import uvicorn
+from fastapi import FastAPI, HTTPException
+
+from worker import procs
+from worker.protocol import (
+    Assignment,
+    AttemptReport,
+    Entrypoint,
+    EventKind,
+    Heartbeat,
+    HeartbeatReply,
+    NodeRegister,
+    NodeRegistered,
+    RendezvousConfig,
+    ReportAccepted,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = f"agent-test-{uuid.uuid4().hex[:8]}"
+
+_SHORT = textwrap.dedent(
+    """
+    import os, sys
+    rank = os.environ["LOCAL_RANK"]
+    print(f"out from rank {rank}", flush=True)
+    print(f"err from rank {rank}", file=sys.stderr, flush=True)
+    """
+)
+
+# A worker that also leaves a grandchild in a new session that ignores SIGTERM:
+# only the agent's SIGKILL sweep can end it.
+_LONG = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+        start_new_session=True,
+    )
+    while True:
+        print(f"tick from rank {os.environ['LOCAL_RANK']}", flush=True)
+        time.sleep(0.3)
+    """
+)
+
+
+class FakeController:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.assignments: dict[int, Assignment] = {}
+        self.reports: list[AttemptReport] = []
+        self.heartbeats: list[Heartbeat] = []
+        self.fenced: set[int] = set()
+        self.refused: list[int] = []
+        self.stale_exits: list[AttemptReport] = []
+        self.app = FastAPI()
+        self.app.post("/api/v1/nodes/register")(self.register)
+        self.app.post("/api/v1/nodes/{node_id}/heartbeat")(self.heartbeat)
+        self.app.post("/api/v1/nodes/{node_id}/reports")(self.report)
+
+    def register(self, body: NodeRegister) -> NodeRegistered:
+        assert body.name == NODE
+        return NodeRegistered(node_id=1, heartbeat_interval_s=0.2)
+
+    def heartbeat(self, node_id: int, body: Heartbeat) -> HeartbeatReply:
+        if node_id != 1:
+            raise HTTPException(404, "unknown node")
+        with self.lock:
+            self.heartbeats.append(body)
+            return HeartbeatReply(assignments=list(self.assignments.values()))
+
+    def report(self, node_id: int, body: AttemptReport) -> ReportAccepted:
+        with self.lock:
+            if body.attempt_id in self.fenced:
+                if body.exit is None:  # like the controller: output refused, exit recorded
+                    self.refused.append(body.attempt_id)
+                    raise HTTPException(409, "attempt is not yours")
+                self.stale_exits.append(body)
+                return ReportAccepted(accepted=True)
+            self.reports.append(body)
+            if body.exit is not None:
+                self.assignments.pop(body.attempt_id, None)
+        return ReportAccepted(accepted=True)
+
+    def of(self, attempt_id: int) -> list[AttemptReport]:
+        with self.lock:
+            return [r for r in self.reports if r.attempt_id == attempt_id]
+
+
+def _wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = 40.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _processes_of(attempt_id: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+            if (
+                env.get("RELAUNCH_ATTEMPT_ID") == str(attempt_id)
+                and env.get("RELAUNCH_NODE_NAME") == NODE
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def controller() -> Iterator[tuple[FakeController, str]]:
+    fake = FakeController()
+    server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait_for("the fake controller", lambda: server.started, 20)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield fake, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def store_endpoint() -> Iterator[str]:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def _assignment(attempt_id: int, script: Path, endpoint: str, nproc: int) -> Assignment:
+    return Assignment(
+        attempt_id=attempt_id,
+        job_id=100 + attempt_id,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        max_restarts=0,
+        rendezvous=RendezvousConfig(
+            endpoint=endpoint,
+            rdzv_id=f"job-{attempt_id}-{uuid.uuid4().hex[:6]}",
+            last_call_timeout_s=1,
+            join_timeout_s=60,
+            keep_alive_interval_s=1,
+            keep_alive_max_attempt=3,
+        ),
+        entrypoint=Entrypoint(script=str(script)),
+        snapshot_dir=str(script.parent / f"snapshots-{attempt_id}"),
+    )
+
+
+def _start_agent(tmp_path: Path, url: str, log_name: str) -> subprocess.Popen[bytes]:
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO);"
+        "from worker.agent import run_agent; from worker.settings import AgentSettings;"
+        "run_agent(AgentSettings())"
+    )
+    with (tmp_path / log_name).open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "RELAUNCH_AGENT_CONTROLLER_URL": url,
+                "RELAUNCH_AGENT_NAME": NODE,
+                "RELAUNCH_AGENT_WORK_DIR": str(tmp_path / "agent"),
+                "RELAUNCH_AGENT_REPORT_INTERVAL_S": "0.2",
+                "RELAUNCH_AGENT_STOP_GRACE_S": "2",
+            },
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+@pytest.fixture
+def cleanup(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    agents: list[subprocess.Popen[bytes]] = []
+    yield agents
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    for log in sorted(tmp_path.glob("agent*.log")):
+        print(f"--- {log.name}\n{log.read_text()[-20000:]}")
+    for attempt_id in range(1, 10):
+        for proc in _processes_of(attempt_id):
+            proc.kill()
+
+
+def test_agent_runs_reports_and_stops_attempts(
+    tmp_path: Path,
+    controller: tuple[FakeController, str],
+    store_endpoint: str,
+    cleanup: list[subprocess.Popen[bytes]],
+) -> None:
+    fake, url = controller
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text(_SHORT)
+    long.write_text(_LONG)
+    agent = _start_agent(tmp_path, url, "agent.log")
+    cleanup.append(agent)
+    _run_scenario(fake, store_endpoint, short, long)
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(20) == 0
+
+
+def test_a_restarted_agent_kills_what_its_previous_life_left(
+    tmp_path: Path,
+    controller: tuple[FakeController, str],
+    store_endpoint: str,
+    cleanup: list[subprocess.Popen[bytes]],
+) -> None:
+    fake, url = controller
+    long = tmp_path / "long.py"
+    long.write_text(_LONG)
+    first = _start_agent(tmp_path, url, "agent-1.log")
+    cleanup.append(first)
+    with fake.lock:
+        fake.assignments[4] = _assignment(4, long, store_endpoint, nproc=1)
+    _wait_for("attempt 4 output", lambda: any(r.logs for r in fake.of(4)))
+    _wait_for("attempt 4 in the ledger", lambda: '"4"' in _ledger_text(tmp_path))
+    launcher = _wait_for(
+        "the launcher",
+        lambda: [p for p in _processes_of(4) if "worker.launch" in " ".join(p.cmdline())],
+    )[0]
+
+    first.kill()  # the agent dies hard
+    first.wait()
+    # PR_SET_PDEATHSIG: the launcher gets SIGTERM and stops its worker ...
+    _wait_for("the launcher to die with the agent", lambda: not procs.is_alive(launcher), 20)
+    # ... but the worker's SIGTERM-proof grandchild in its own session lives on.
+    _wait_for("only the orphan left", lambda: len(_processes_of(4)) == 1, 20)
+    survivors = _processes_of(4)
+    assert survivors[0].ppid() != first.pid
+
+    with fake.lock:
+        fake.assignments.clear()
+    second = _start_agent(tmp_path, url, "agent-2.log")
+    cleanup.append(second)
+    _wait_for("the leftover to be killed", lambda: _processes_of(4) == [], timeout_s=20)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(20) == 0
+
+
+def _ledger_text(tmp_path: Path) -> str:
+    path = tmp_path / "agent" / "pids.json"
+    return path.read_text() if path.exists() else ""
+
+
+def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) -> None:
+    # 1. A short attempt: its output comes back line by line with local ranks,
+    #    then the exit report; it is not started twice.
+    with fake.lock:
+        fake.assignments[1] = _assignment(1, short, endpoint, nproc=2)
+    _wait_for("attempt 1 exit", lambda: any(r.exit for r in fake.of(1)))
+    reports = fake.of(1)
+    logs = [(line.local_rank, line.stream, line.line) for r in reports for line in r.logs]
+    for rank in (0, 1):
+        assert (rank, "stdout", f"out from rank {rank}") in logs
+        assert (rank, "stderr", f"err from rank {rank}") in logs
+    assert any(rank is None for rank, _, _ in logs)  # the launcher's own lines
+    kinds = [e.kind for r in reports for e in r.events]
+    assert kinds.count(EventKind.RENDEZVOUS) == 1
+    assert kinds[-1] == EventKind.LAUNCHER_EXIT
+    final = reports[-1].exit
+    assert final is not None and final.outcome == "succeeded" and final.exit_code == 0
+    assert [r.exit is not None for r in reports].count(True) == 1
+    assert Path(short.parent / "snapshots-1").is_dir()
+
+    # 2. Two long attempts at once; one is withdrawn, the other gets fenced (409).
+    with fake.lock:
+        fake.assignments[2] = _assignment(2, long, endpoint, nproc=2)
+        fake.assignments[3] = _assignment(3, long, endpoint, nproc=1)
+
+    def ticking(attempt_id: int) -> bool:
+        return any("tick" in line.line for r in fake.of(attempt_id) for line in r.logs)
+
+    _wait_for("attempt 2 output", lambda: ticking(2))
+    _wait_for("attempt 3 output", lambda: ticking(3))
+    # launcher + workers + their new-session grandchildren
+    assert len(_processes_of(2)) >= 5
+
+    def heartbeat_counts_the_tree() -> bool:
+        with fake.lock:
+            last = [r for r in fake.heartbeats[-1].running if r.attempt_id == 2]
+        return bool(last) and last[0].launcher_pid is not None and last[0].processes >= 5
+
+    _wait_for("a heartbeat with the tree of attempt 2", heartbeat_counts_the_tree, 10)
+    with fake.lock:
+        del fake.assignments[2]
+        fake.fenced.add(3)
+
+    stopped = _wait_for(
+        "attempt 2 stopped", lambda: [r.exit for r in fake.of(2) if r.exit], timeout_s=30
+    )[0]
+    assert stopped.outcome == "stopped" and stopped.clean
+    assert _processes_of(2) == []
+
+    _wait_for("attempt 3 refused", lambda: 3 in fake.refused)
+    (fenced_exit,) = _wait_for("attempt 3 exit", lambda: list(fake.stale_exits), timeout_s=30)
+    assert fenced_exit.attempt_id == 3 and fenced_exit.logs == [] and fenced_exit.events == []
+    assert fenced_exit.exit is not None
+    assert fenced_exit.exit.outcome == "stopped" and fenced_exit.exit.clean
+    assert _processes_of(3) == []
+    # Still assigned, but fenced: the agent must not start it again.
+    time.sleep(1.0)
+    assert _processes_of(3) == []
+    with fake.lock:
+        last = fake.heartbeats[-1]
+    assert [r.attempt_id for r in last.running] == []
+    assert _processes_of(1) == []

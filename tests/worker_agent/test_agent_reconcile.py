@@ -1,0 +1,50 @@
+from worker.agent import plan_reconcile
+from worker.protocol import Assignment, Entrypoint, RendezvousConfig
+
+
+def _assignment(attempt_id: int) -> Assignment:
+    return Assignment(
+        attempt_id=attempt_id,
+        job_id=1,
+        min_nodes=1,
+        max_nodes=2,
+        nproc_per_node=1,
+        max_restarts=0,
+        rendezvous=RendezvousConfig(endpoint="127.0.0.1:1", rdzv_id=f"r{attempt_id}"),
+        entrypoint=Entrypoint(module="train"),
+        snapshot_dir="/tmp/s",
+    )
+
+
+def test_starts_what_is_assigned_and_not_held() -> None:
+    plan = plan_reconcile([_assignment(1), _assignment(2)], held={2}, finished=set())
+    assert [a.attempt_id for a in plan.start] == [1]
+    assert plan.stop == ()
+
+
+def test_stops_what_is_held_and_no_longer_assigned() -> None:
+    plan = plan_reconcile([_assignment(2)], held={1, 2, 3}, finished=set())
+    assert plan.start == ()
+    assert plan.stop == (1, 3)
+
+
+def test_empty_reply_stops_everything() -> None:
+    plan = plan_reconcile([], held={5, 4}, finished={1})
+    assert plan.start == ()
+    assert plan.stop == (4, 5)
+
+
+def test_finished_attempts_are_never_started_again() -> None:
+    plan = plan_reconcile([_assignment(1), _assignment(2)], held=set(), finished={1})
+    assert [a.attempt_id for a in plan.start] == [2]
+
+
+def test_duplicate_assignments_start_once() -> None:
+    plan = plan_reconcile((a for a in [_assignment(7), _assignment(7)]), held=set(), finished=set())
+    assert [a.attempt_id for a in plan.start] == [7]
+    assert plan.stop == ()
+
+
+def test_nothing_to_do_when_in_sync() -> None:
+    plan = plan_reconcile([_assignment(1)], held={1}, finished=set())
+    assert plan.start == () and plan.stop == ()

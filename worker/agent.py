@@ -1,0 +1,289 @@
+"""The node agent: registers with the controller and runs what it is told to run.
+
+One loop on one thread owns everything (``NodeAgent.run``):
+
+1. at start: become a child subreaper, kill what a previous life of this agent
+   left behind (pid ledger), then register (retrying until the controller answers);
+2. every heartbeat interval: send the running attempts, receive the complete
+   set of assignments, and reconcile: start those not running, stop those no
+   longer assigned (``plan_reconcile`` decides, the loop acts);
+3. every report interval: settle exits, send new output and events, and the
+   exit report once an attempt has ended; refresh the pid ledger.
+
+A 404 on heartbeat makes the agent register again; a 409 on a report means the
+attempt is fenced: it is stopped, and only its exit is reported (a 409 on that
+too and it is forgotten). On SIGTERM/SIGINT every attempt
+is stopped (SIGTERM, grace, SIGKILL) and reported before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from types import FrameType
+
+from worker import procs
+from worker.attempt import Attempt, attempt_marker
+from worker.client import (
+    ControllerClient,
+    ControllerError,
+    ControllerUnavailableError,
+    FencedError,
+    UnknownNodeError,
+)
+from worker.protocol import Assignment, Heartbeat, NodeRegister
+from worker.settings import AgentSettings
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGS_PER_REPORT = 2000
+MAX_LOG_CHARS_PER_REPORT = 2 * 2**20
+MAX_EVENTS_PER_REPORT = 1000
+MAX_REPORTS_PER_TICK = 10
+_REMEMBERED_FINISHED = 4096
+_REGISTER_BACKOFF_MAX_S = 10.0
+_DEFAULT_HEARTBEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class ReconcilePlan:
+    start: tuple[Assignment, ...]
+    stop: tuple[int, ...]
+
+
+def plan_reconcile(
+    desired: Iterable[Assignment], held: Collection[int], finished: Collection[int]
+) -> ReconcilePlan:
+    """What to start and what to stop so that this node runs exactly ``desired``.
+
+    ``held``: attempts the agent has (running, or ended with the exit report
+    not yet delivered). ``finished``: attempts whose exit was delivered or that
+    were fenced; they are never started again, even if still assigned.
+    """
+    start: dict[int, Assignment] = {}
+    wanted: set[int] = set()
+    for assignment in desired:
+        aid = assignment.attempt_id
+        wanted.add(aid)
+        if aid not in held and aid not in finished:
+            start.setdefault(aid, assignment)
+    stop = tuple(sorted(aid for aid in held if aid not in wanted))
+    return ReconcilePlan(start=tuple(start.values()), stop=stop)
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: ControllerClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._client = client
+        self._clock = clock
+        self._stop = threading.Event()
+        self._attempts: dict[int, Attempt] = {}
+        self._finished: deque[int] = deque(maxlen=_REMEMBERED_FINISHED)
+        self._ledger = procs.PidLedger(settings.work_dir / "pids.json")
+        self._node_id: int | None = None
+        self._heartbeat_s = _DEFAULT_HEARTBEAT_S
+        self._next_heartbeat = 0.0
+        self._next_report = 0.0
+        self._next_register = 0.0
+        self._register_backoff_s = 0.5
+
+    @property
+    def node_id(self) -> int | None:
+        return self._node_id
+
+    def request_stop(self) -> None:
+        """Ask ``run`` to stop every attempt and return (safe from any thread)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT (main thread) or ``request_stop``; then stop all."""
+        self._install_signal_handlers()
+        self._settings.work_dir.mkdir(parents=True, exist_ok=True)
+        procs.become_subreaper()
+        left = procs.kill_leftovers(
+            self._ledger, self._settings.stop_grace_s, marker_of=self._marker_of
+        )
+        if left:
+            logger.warning("node=%s killed %d leftover processes", self._settings.name, left)
+        logger.info(
+            "node=%s agent pid %d serving, controller %s",
+            self._settings.name,
+            os.getpid(),
+            self._settings.controller_url,
+        )
+        try:
+            while not self._stop.is_set():
+                self.step()
+                self._stop.wait(self._idle_s())
+        finally:
+            self._shutdown()
+
+    def _marker_of(self, attempt_id: int) -> dict[str, str]:
+        return attempt_marker(self._settings, attempt_id)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals go to the main thread; the caller uses request_stop()
+
+        def _on_signal(signum: int, _frame: FrameType | None) -> None:
+            logger.info("node=%s got %s, stopping", self._settings.name, signal.strsignal(signum))
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+
+    def _idle_s(self) -> float:
+        now = self._clock()
+        due = min(self._next_heartbeat, self._next_report)
+        return min(0.2, max(0.02, due - now))
+
+    def step(self) -> None:
+        """One pass of the loop; does what is due at ``clock()``."""
+        now = self._clock()
+        if self._node_id is None:
+            if now >= self._next_register:
+                self._register(now)
+        elif now >= self._next_heartbeat:
+            self._next_heartbeat = now + self._heartbeat_s
+            self._heartbeat()
+        if now >= self._next_report:
+            self._next_report = now + self._settings.report_interval_s
+            self._report_all()
+
+    def _register(self, now: float) -> None:
+        body = NodeRegister(
+            name=self._settings.name,
+            address=self._settings.address,
+            slots=self._settings.slots,
+            pid=os.getpid(),
+        )
+        try:
+            reply = self._client.register(body)
+        except ControllerError as exc:
+            logger.warning(
+                "node=%s register failed (retry in %.1fs): %s",
+                self._settings.name,
+                self._register_backoff_s,
+                exc,
+            )
+            self._next_register = now + self._register_backoff_s
+            self._register_backoff_s = min(2 * self._register_backoff_s, _REGISTER_BACKOFF_MAX_S)
+            return
+        self._node_id = reply.node_id
+        self._heartbeat_s = reply.heartbeat_interval_s
+        self._register_backoff_s = 0.5
+        self._next_heartbeat = now
+        logger.info(
+            "node=%s registered as node %d (heartbeat every %.1fs)",
+            self._settings.name,
+            reply.node_id,
+            reply.heartbeat_interval_s,
+        )
+
+    def _heartbeat(self) -> None:
+        if self._node_id is None:
+            return
+        body = Heartbeat(running=[a.running_info() for a in self._attempts.values()])
+        try:
+            reply = self._client.heartbeat(self._node_id, body)
+        except UnknownNodeError:
+            logger.warning("node=%s unknown to the controller; registering again", self._node_id)
+            self._node_id = None
+            self._next_register = 0.0
+            return
+        except ControllerError as exc:
+            logger.warning("node=%s heartbeat failed: %s", self._node_id, exc)
+            return
+        plan = plan_reconcile(reply.assignments, set(self._attempts), set(self._finished))
+        for assignment in plan.start:
+            attempt = Attempt(assignment, self._settings)
+            self._attempts[assignment.attempt_id] = attempt
+            attempt.start()
+        for aid in plan.stop:
+            self._attempts[aid].stop("no longer assigned to this node")  # does not block
+
+    def _report_all(self) -> None:
+        reachable = True
+        for attempt in list(self._attempts.values()):
+            attempt.refresh()
+            attempt.poll()
+            if reachable and self._node_id is not None:
+                reachable = self._deliver(attempt, self._node_id)
+            if attempt.done:
+                self._forget(attempt)
+        self._ledger.write({aid: a.ledger_entries() for aid, a in self._attempts.items()})
+        # This process owns no children but launchers; the rest are adopted orphans.
+        launchers = {a.launcher_pid for a in self._attempts.values()}
+        procs.reap_children(exclude={pid for pid in launchers if pid is not None})
+
+    def _deliver(self, attempt: Attempt, node_id: int) -> bool:
+        """Send what the attempt has to say; False if the controller could not be reached."""
+        ctx = f"job={attempt.assignment.job_id} attempt={attempt.attempt_id}"
+        for _ in range(MAX_REPORTS_PER_TICK):
+            pending = attempt.next_report(
+                max_logs=MAX_LOGS_PER_REPORT,
+                max_log_chars=MAX_LOG_CHARS_PER_REPORT,
+                max_events=MAX_EVENTS_PER_REPORT,
+            )
+            if pending is None:
+                return True
+            try:
+                self._client.report(node_id, pending.report)
+            except FencedError:
+                if pending.report.exit is not None:
+                    logger.warning("%s exit report refused (409); dropping it", ctx)
+                    attempt.give_up_reporting()
+                else:
+                    logger.warning("%s fenced by the controller; stopping it", ctx)
+                    attempt.fence()
+                return True
+            except UnknownNodeError:
+                logger.warning("%s node %s unknown; registering again", ctx, node_id)
+                self._node_id = None
+                self._next_register = 0.0
+                return True
+            except ControllerUnavailableError as exc:
+                logger.warning("%s report failed, will retry: %s", ctx, exc)
+                return False
+            except ControllerError as exc:
+                if exc.status_code is None or exc.status_code >= 500:
+                    logger.warning("%s report failed, will retry: %s", ctx, exc)
+                    return True
+                logger.error("%s report rejected, dropping the batch: %s", ctx, exc)
+            attempt.delivered(pending)
+        return True
+
+    def _forget(self, attempt: Attempt) -> None:
+        del self._attempts[attempt.attempt_id]
+        self._finished.append(attempt.attempt_id)
+
+    def _shutdown(self) -> None:
+        attempts = list(self._attempts.values())
+        for attempt in attempts:
+            attempt.stop("the node agent is shutting down")
+        for attempt in attempts:  # the grace periods run side by side
+            attempt.wait_stopped()
+        if self._node_id is not None:
+            for attempt in attempts:
+                self._deliver(attempt, self._node_id)
+        self._ledger.write(
+            {a.attempt_id: a.ledger_entries() for a in attempts if a.ledger_entries()}
+        )
+        logger.info("node=%s agent stopped", self._settings.name)
+
+
+def run_agent(settings: AgentSettings) -> None:
+    """Run a node agent until SIGTERM/SIGINT (call from the main thread)."""
+    with ControllerClient(settings.controller_url) as client:
+        NodeAgent(settings, client).run()

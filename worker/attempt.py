@@ -1,0 +1,568 @@
+"""One attempt running on this node: the launcher's process tree, output and events.
+
+An ``Attempt`` is built from an ``Assignment`` (the spec), starts
+``python -m worker.launch ... -- <torchrun args>`` and ends with an
+``AttemptExit`` (the result): succeeded / failed when the launcher exits by
+itself, stopped when the agent ends it. Output and events wait in buffers until
+a report carrying them is accepted, so a briefly unreachable controller loses
+nothing (log lines are capped in memory; events stay in their file).
+
+Worker output reaches us through torchrun's ``--tee 3``: torch redirects each
+worker's stdout/stderr into files under ``--log-dir`` and tails them onto the
+launcher's own stdout/stderr with a ``[<role><local_rank>]:`` prefix
+(``torch/distributed/elastic/multiprocessing/tail_log.py``, ``TailLog.start``).
+Lines without that prefix come from the launcher itself (local_rank None).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+from typing import IO, Literal
+
+import psutil
+from pydantic import ValidationError
+
+from worker import procs
+from worker.protocol import (
+    ATTEMPT_ID_ENV,
+    EVENTS_FILE_ENV,
+    JOB_ID_ENV,
+    NODE_NAME_ENV,
+    SNAPSHOT_DIR_ENV,
+    SNAPSHOT_EVERY_EPOCHS_ENV,
+    SNAPSHOT_EVERY_STEPS_ENV,
+    Assignment,
+    AttemptExit,
+    AttemptReport,
+    EventKind,
+    LogLine,
+    RunningAttempt,
+    RuntimeEvent,
+)
+from worker.settings import AgentSettings
+
+logger = logging.getLogger(__name__)
+
+TORCHRUN_ROLE = "default"  # torchrun's --role default; it names the tee prefix
+MONITOR_INTERVAL_S = 0.2
+MAX_LINE_CHARS = 8192  # protocol.LogLine.line
+_PREFIX = re.compile(rf"^\[{TORCHRUN_ROLE}(\d+)\]:")
+# Variables torchrun would read as defaults for its own options, or to change the prefix.
+_TORCHRUN_ENV_PREFIX = "PET_"
+_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+# Agent-internal (not part of the protocol): which agent started a process.
+AGENT_DIR_ENV = "RELAUNCH_NODE_AGENT_DIR"
+
+
+def attempt_marker(settings: AgentSettings, attempt_id: int) -> dict[str, str]:
+    """The environment that singles out one attempt's processes of this agent on this machine.
+
+    Attempt id and node name alone are not enough: agents of two clusters
+    (two controllers, e.g. test runs) can share a node name on one machine,
+    and their attempt ids start at 1 alike. The work dir is one agent's own.
+    """
+    return {
+        ATTEMPT_ID_ENV: str(attempt_id),
+        NODE_NAME_ENV: settings.name,
+        AGENT_DIR_ENV: str(settings.work_dir.resolve()),
+    }
+
+
+def parse_console_line(text: str) -> tuple[int | None, str]:
+    """Split a launcher console line into (local_rank, text); None for the launcher's own."""
+    match = _PREFIX.match(text)
+    if match is None:
+        return None, text
+    return int(match.group(1)), text[match.end() :]
+
+
+def build_torchrun_args(assignment: Assignment, *, local_addr: str, log_dir: Path) -> list[str]:
+    """The torchrun command line (without the program name) for one attempt on this node."""
+    entry = assignment.entrypoint
+    if (entry.module is None) == (entry.script is None):
+        raise ValueError("entrypoint needs exactly one of module and script")
+    rdzv = assignment.rendezvous
+    rdzv_conf = ",".join(
+        [
+            "is_host=false",
+            f"last_call_timeout={rdzv.last_call_timeout_s}",
+            f"join_timeout={rdzv.join_timeout_s}",
+            f"keep_alive_interval={rdzv.keep_alive_interval_s}",
+            f"keep_alive_max_attempt={rdzv.keep_alive_max_attempt}",
+        ]
+    )
+    args = [
+        "--nnodes", f"{assignment.min_nodes}:{assignment.max_nodes}",
+        "--nproc-per-node", str(assignment.nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", rdzv.endpoint,
+        "--rdzv-id", rdzv.rdzv_id,
+        "--rdzv-conf", rdzv_conf,
+        "--max-restarts", str(assignment.max_restarts),
+        "--monitor-interval", str(MONITOR_INTERVAL_S),
+        "--local-addr", local_addr,
+        "--tee", "3",
+        "--log-dir", str(log_dir),
+    ]  # fmt: skip
+    if entry.module is not None:
+        args += ["-m", entry.module]
+    else:
+        args.append(str(entry.script))
+    return args + list(entry.args)
+
+
+def build_launcher_env(
+    assignment: Assignment,
+    *,
+    settings: AgentSettings,
+    events_file: Path,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The launcher's environment; its workers inherit it. Ours wins over ``assignment.env``."""
+    env = {
+        k: v
+        for k, v in base_env.items()
+        if not k.startswith(_TORCHRUN_ENV_PREFIX) and k != _PREFIX_TEMPLATE_ENV
+    }
+    env.update(assignment.env)
+    env.update(attempt_marker(settings, assignment.attempt_id))
+    env.update(
+        {
+            JOB_ID_ENV: str(assignment.job_id),
+            SNAPSHOT_DIR_ENV: assignment.snapshot_dir,
+            EVENTS_FILE_ENV: str(events_file),
+            # Workers get their own MASTER_ADDR store instead of the rendezvous
+            # store of the rank-0 agent: avoids restart storms (ELASTIC-FACTS.md).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            # Read by torch.distributed.launcher.api.LaunchConfig when no
+            # --shutdown-timeout is given: SIGTERM -> SIGKILL wait for workers.
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(settings.worker_shutdown_timeout_s),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if assignment.snapshot_every_steps is not None:
+        env[SNAPSHOT_EVERY_STEPS_ENV] = str(assignment.snapshot_every_steps)
+    if assignment.snapshot_every_epochs is not None:
+        env[SNAPSHOT_EVERY_EPOCHS_ENV] = str(assignment.snapshot_every_epochs)
+    return env
+
+
+@dataclass(frozen=True)
+class LogBatch:
+    lines: list[LogLine]
+    upto_seq: int
+    dropped: int
+    complete: bool
+
+
+class LogOutbox:
+    """Thread-safe FIFO of log lines awaiting delivery; drops the oldest past a cap."""
+
+    def __init__(self, max_lines: int = 50_000, max_chars: int = 32 * 2**20) -> None:
+        self._lock = threading.Lock()
+        self._items: deque[tuple[int, LogLine]] = deque()
+        self._next_seq = 0
+        self._chars = 0
+        self._dropped = 0
+        self._max_lines = max_lines
+        self._max_chars = max_chars
+
+    def put(self, line: LogLine) -> None:
+        with self._lock:
+            self._items.append((self._next_seq, line))
+            self._next_seq += 1
+            self._chars += len(line.line)
+            while len(self._items) > self._max_lines or self._chars > self._max_chars:
+                _, old = self._items.popleft()
+                self._chars -= len(old.line)
+                self._dropped += 1
+
+    def peek(self, limit: int, max_chars: int | None = None) -> LogBatch:
+        """Up to ``limit`` oldest lines (at least one, then within ``max_chars``)."""
+        with self._lock:
+            dropped = self._dropped
+            take = list(islice(self._items, max(0, limit - (1 if dropped else 0))))
+            if max_chars is not None:
+                size = 0
+                for i, (_, line) in enumerate(take):
+                    size += len(line.line)
+                    if size > max_chars and i > 0:
+                        take = take[:i]
+                        break
+            complete = len(take) == len(self._items)
+        lines = [line for _, line in take]
+        if dropped:
+            notice = f"[relaunch agent] {dropped} log lines dropped while the controller was away"
+            lines.insert(0, LogLine(time=datetime.now(UTC), stream="stderr", line=notice))
+        upto = take[-1][0] if take else -1
+        return LogBatch(lines=lines, upto_seq=upto, dropped=dropped, complete=complete)
+
+    def commit(self, batch: LogBatch) -> None:
+        with self._lock:
+            while self._items and self._items[0][0] <= batch.upto_seq:
+                _, old = self._items.popleft()
+                self._chars -= len(old.line)
+            self._dropped -= batch.dropped
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    events: list[RuntimeEvent]
+    next_offset: int
+    complete: bool
+
+
+class EventsTail:
+    """Reads the attempt's events file from the last delivered offset."""
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def peek(self, limit: int) -> EventBatch:
+        try:
+            with self.path.open("rb") as fp:
+                fp.seek(self._offset)
+                data = fp.read(self._CHUNK)
+        except FileNotFoundError:
+            return EventBatch([], self._offset, True)
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) == self._CHUNK:  # a line longer than a chunk: skip it
+            logger.warning("%s: skipping an event line over %d bytes", self.path, self._CHUNK)
+            return EventBatch([], self._offset + len(data), False)
+        events: list[RuntimeEvent] = []
+        consumed = 0
+        lines = data[:end].splitlines(keepends=True)
+        for line in lines:
+            if len(events) >= limit:
+                break
+            consumed += len(line)
+            try:
+                events.append(RuntimeEvent.model_validate_json(line))
+            except ValidationError as exc:
+                logger.warning("%s: skipping a bad event line: %s", self.path, exc)
+        complete = consumed == len(data)
+        return EventBatch(events, self._offset + consumed, complete)
+
+    def commit(self, batch: EventBatch) -> None:
+        self._offset = batch.next_offset
+
+    def last_of_kind(self, kind: EventKind, *, tail_bytes: int = 1 << 16) -> RuntimeEvent | None:
+        """The last event of ``kind`` within the file's final ``tail_bytes``."""
+        try:
+            with self.path.open("rb") as fp:
+                fp.seek(max(0, self.path.stat().st_size - tail_bytes))
+                data = fp.read()
+        except FileNotFoundError:
+            return None
+        for line in reversed(data.splitlines()):
+            try:
+                event = RuntimeEvent.model_validate_json(line)
+            except ValidationError:
+                continue
+            if event.kind == kind:
+                return event
+        return None
+
+
+@dataclass(frozen=True)
+class PendingReport:
+    report: AttemptReport
+    logs: LogBatch
+    events: EventBatch
+
+
+class Attempt:
+    """One assignment on this node, from start to its delivered exit report.
+
+    The agent's loop thread calls every method. Inside, two reader threads
+    feed the log outbox, and ``stop`` hands the process tree to a stop thread
+    (from then on only that thread signals or reaps the launcher). ``start``
+    must run on a thread that outlives the attempt: the launcher's
+    PR_SET_PDEATHSIG fires when the *thread* that forked it exits.
+    """
+
+    def __init__(self, assignment: Assignment, settings: AgentSettings) -> None:
+        self.assignment = assignment
+        self.attempt_id = assignment.attempt_id
+        self._settings = settings
+        self.dir = settings.work_dir / "attempts" / str(assignment.attempt_id)
+        self.events_path = self.dir / "events.jsonl"
+        self._logs = LogOutbox()
+        self._events = EventsTail(self.events_path)
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._readers: list[threading.Thread] = []
+        self._tracked: dict[procs.ProcessId, psutil.Process] = {}
+        self._ctx = f"job={assignment.job_id} attempt={assignment.attempt_id}"
+        self._stopper: threading.Thread | None = None
+        self._fenced = False
+        self.exit: AttemptExit | None = None
+        self.exit_delivered = False
+
+    @property
+    def marker(self) -> dict[str, str]:
+        """Environment every process of this attempt on this node carries."""
+        return attempt_marker(self._settings, self.attempt_id)
+
+    def start(self) -> None:
+        """Start the launcher; a start that fails becomes a failed exit."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            Path(self.assignment.snapshot_dir).mkdir(parents=True, exist_ok=True)
+            self.events_path.write_bytes(b"")  # a previous life may have left one
+            torchrun_args = build_torchrun_args(
+                self.assignment,
+                local_addr=self._settings.address,
+                log_dir=self.dir / "torchelastic",
+            )
+            env = build_launcher_env(
+                self.assignment,
+                settings=self._settings,
+                events_file=self.events_path,
+                base_env=os.environ,
+            )
+            command = [
+                sys.executable, "-m", "worker.launch",
+                "--events-file", str(self.events_path),
+                "--parent-pid", str(os.getpid()),
+                "--", *torchrun_args,
+            ]  # fmt: skip
+            self._popen = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the agent only
+            )
+        except (OSError, ValueError) as exc:
+            logger.error("%s cannot start: %s", self._ctx, exc)
+            self.exit = AttemptExit(outcome="failed", message=f"cannot start: {exc}")
+            return
+        logger.info("%s started launcher pid %d: %s", self._ctx, self._popen.pid, command)
+        self._track([psutil.Process(self._popen.pid)])
+        pipes: list[tuple[IO[bytes] | None, Literal["stdout", "stderr"]]] = [
+            (self._popen.stdout, "stdout"),
+            (self._popen.stderr, "stderr"),
+        ]
+        for pipe, stream in pipes:
+            reader = threading.Thread(
+                target=self._read_stream,
+                args=(pipe, stream),
+                name=f"attempt-{self.attempt_id}-{stream}",
+                daemon=True,
+            )
+            reader.start()
+            self._readers.append(reader)
+
+    def _read_stream(self, pipe: IO[bytes] | None, stream: Literal["stdout", "stderr"]) -> None:
+        if pipe is None:
+            return
+        rank: int | None = None
+        continues = False  # the previous chunk ended mid-line (a line over MAX_LINE_CHARS)
+        with pipe:
+            for chunk in iter(lambda: pipe.readline(MAX_LINE_CHARS), b""):
+                text = chunk.decode("utf-8", errors="replace")
+                complete = text.endswith("\n")
+                text = text.rstrip("\r\n")
+                if not continues:
+                    rank, text = parse_console_line(text)
+                line = LogLine(
+                    time=datetime.now(UTC),
+                    local_rank=rank,
+                    stream=stream,
+                    line=text[:MAX_LINE_CHARS],
+                )
+                self._logs.put(line)
+                continues = not complete
+
+    def _track(self, found: list[psutil.Process]) -> None:
+        for proc in found:
+            try:
+                self._tracked.setdefault(procs.ProcessId.of(proc), proc)
+            except psutil.Error:
+                continue
+
+    def _alive(self) -> list[psutil.Process]:
+        return [p for p in self._tracked.values() if procs.is_alive(p)]
+
+    @property
+    def launcher_pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    def refresh(self) -> None:
+        """Track the launcher's descendants (the agent reaps adopted orphans); drop the dead."""
+        if self._stopper is not None:
+            return
+        if self._popen is not None and self._popen.poll() is None:
+            self._track(procs.descendants(self._popen.pid))
+        for key, proc in list(self._tracked.items()):
+            if proc.pid != self.launcher_pid and not procs.is_alive(proc):
+                del self._tracked[key]
+
+    def ledger_entries(self) -> list[procs.ProcessId]:
+        return [key for key, proc in self._tracked.items() if procs.is_alive(proc)]
+
+    def running_info(self) -> RunningAttempt:
+        if self._stopper is not None:
+            alive = self.exit is None
+        else:
+            alive = self._popen is not None and self._popen.poll() is None
+        return RunningAttempt(
+            attempt_id=self.attempt_id,
+            launcher_pid=self.launcher_pid if alive else None,
+            processes=len(self._alive()),
+        )
+
+    def poll(self) -> bool:
+        """Settle the exit if the launcher has ended by itself; True once the exit is known."""
+        if self.exit is not None or self._stopper is not None:
+            return self.exit is not None
+        if self._popen is None:
+            return False
+        code = self._popen.poll()
+        if code is None:
+            return False
+        self._join_readers()
+        leftovers = self._alive() + procs.find_by_env(self.marker)
+        clean = True
+        if leftovers:
+            logger.warning("%s launcher exited leaving %s; killing them", self._ctx, leftovers)
+            grace = min(1.0, self._settings.stop_grace_s)
+            outcome = procs.kill_all(leftovers, grace, marker=self.marker)
+            clean = outcome.clean
+        last = self._events.last_of_kind(EventKind.LAUNCHER_EXIT)
+        if last is not None:
+            message = str(last.data.get("message", ""))
+        else:
+            message = f"launcher exited with code {code} without a launcher_exit event"
+        self.exit = AttemptExit(
+            outcome="succeeded" if code == 0 else "failed",
+            exit_code=code,
+            message=message,
+            clean=clean,
+        )
+        logger.info("%s launcher exited: %s", self._ctx, self.exit)
+        return True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopper is not None and self._stopper.is_alive()
+
+    @property
+    def done(self) -> bool:
+        """Nothing left to do or say: exit delivered (or refused), no stop under way."""
+        return self.exit_delivered and not self.stopping
+
+    def stop(self, reason: str) -> None:
+        """Begin ending the whole tree (SIGTERM, grace, SIGKILL) on a thread of its own.
+
+        A no-op if the launcher already ended or a stop is under way; ``exit``
+        is set once the stop is complete. The stop thread alone touches the
+        launcher from then on (``poll``/``refresh`` leave it alone).
+        """
+        if self._stopper is not None or self.poll():
+            return
+        if self._popen is None:
+            self.exit = AttemptExit(outcome="stopped", message=reason)
+            return
+        logger.info("%s stopping: %s", self._ctx, reason)
+        self._stopper = threading.Thread(
+            target=self._stop,
+            args=(self._popen, self._alive(), reason),
+            name=f"attempt-{self.attempt_id}-stop",
+            daemon=True,
+        )
+        self._stopper.start()
+
+    def wait_stopped(self, timeout_s: float | None = None) -> None:
+        if self._stopper is not None:
+            self._stopper.join(timeout_s)
+
+    def fence(self) -> None:
+        """The controller refused a report (409): stop; only the exit is still worth sending."""
+        self._fenced = True
+        self.stop("fenced: the controller no longer assigns it to this node")
+
+    def give_up_reporting(self) -> None:
+        """The controller refused the exit report too: nothing more to say."""
+        self.exit_delivered = True
+
+    def _stop(
+        self, popen: subprocess.Popen[bytes], known: list[psutil.Process], reason: str
+    ) -> None:
+        # poll() saw the launcher unreaped before this thread began, and nothing
+        # else reaps it now, so its pid is still ours to signal.
+        outcome = procs.kill_tree(
+            popen.pid, self._settings.stop_grace_s, marker=self.marker, known=known
+        )
+        code = outcome.exit_codes.get(popen.pid)
+        if popen.returncode is None:
+            # kill_tree reaped the launcher; tell Popen so it does not wait for it again.
+            popen.returncode = code if code is not None else -signal.SIGKILL
+        self._join_readers()
+        if outcome.clean:
+            logger.info("%s stopped, nothing left", self._ctx)
+        else:
+            logger.error("%s processes survive SIGKILL: %s", self._ctx, outcome.left)
+        self.exit = AttemptExit(
+            outcome="stopped",
+            exit_code=popen.returncode,
+            message=f"stopped by the node agent: {reason}",
+            clean=outcome.clean,
+        )
+
+    def _join_readers(self, timeout_s: float = 2.0) -> None:
+        for reader in self._readers:
+            reader.join(timeout_s)
+            if reader.is_alive():
+                logger.warning("%s %s still open after the launcher ended", self._ctx, reader.name)
+
+    def next_report(
+        self, *, max_logs: int, max_events: int, max_log_chars: int | None = None
+    ) -> PendingReport | None:
+        """The next batch to send, or None when there is nothing new.
+
+        The exit rides on the batch that empties both buffers, after the
+        launcher's pipes and the events file have been drained.
+        """
+        if self.exit_delivered:
+            return None
+        if self._fenced:  # the controller takes no more output, but records how it ended
+            if self.exit is None:
+                return None
+            report = AttemptReport(attempt_id=self.attempt_id, exit=self.exit)
+            return PendingReport(report, LogBatch([], -1, 0, True), EventBatch([], 0, True))
+        logs = self._logs.peek(max_logs, max_log_chars)
+        events = self._events.peek(max_events)
+        last = self.exit is not None and logs.complete and events.complete
+        if not logs.lines and not events.events and not last:
+            return None
+        report = AttemptReport(
+            attempt_id=self.attempt_id,
+            logs=logs.lines,
+            events=events.events,
+            exit=self.exit if last else None,
+        )
+        return PendingReport(report=report, logs=logs, events=events)
+
+    def delivered(self, pending: PendingReport) -> None:
+        if not self._fenced:
+            self._logs.commit(pending.logs)
+            self._events.commit(pending.events)
+        if pending.report.exit is not None:
+            self.exit_delivered = True

@@ -1,0 +1,79 @@
+"""Settings of one node agent, validated once at start and passed in.
+
+Every field can be set from the environment with the prefix ``RELAUNCH_AGENT_``
+(``RELAUNCH_AGENT_CONTROLLER_URL``, ``RELAUNCH_AGENT_NAME``, ...).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+NODE_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
+
+
+def default_node_name() -> str:
+    """This host's name, reduced to the characters a node name may hold."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
+    return name or "node"
+
+
+def _default_work_dir(data: dict[str, Any]) -> Path:
+    return Path.home() / ".relaunch" / "agent" / str(data.get("name", default_node_name()))
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RELAUNCH_AGENT_", extra="ignore")
+
+    controller_url: str = Field(description="Base URL of the controller, e.g. http://host:8000")
+    name: str = Field(
+        default_factory=default_node_name,
+        min_length=1,
+        max_length=128,
+        pattern=NODE_NAME_PATTERN,
+        description="Stable name of this node; also names its work dir",
+    )
+    address: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        max_length=255,
+        description="Address other nodes use to reach this one (torchrun --local-addr)",
+    )
+    slots: int = Field(default=1, ge=1, le=1024)
+    work_dir: Path = Field(
+        default_factory=_default_work_dir,
+        description="Per-node state: attempt dirs, pid ledger (default ~/.relaunch/agent/<name>)",
+    )
+    report_interval_s: float = Field(default=0.5, gt=0, le=60)
+    stop_grace_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="SIGTERM-to-SIGKILL grace when the agent stops an attempt",
+    )
+
+    @field_validator("controller_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"controller_url must be an http(s) URL, got {value!r}")
+        return value.rstrip("/")
+
+    @field_validator("work_dir")
+    @classmethod
+    def _expand_work_dir(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @property
+    def worker_shutdown_timeout_s(self) -> int:
+        """What torch's elastic agent waits between SIGTERM and SIGKILL of its workers.
+
+        Shorter than ``stop_grace_s`` so the launcher can finish its own
+        shutdown before the node agent resorts to SIGKILL.
+        """
+        return max(1, int(self.stop_grace_s) - 1)
