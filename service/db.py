@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -17,6 +17,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -63,6 +64,24 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One unit of work: commit on success, roll back on any error."""
     with factory() as session, session.begin():
         yield session
+
+
+def retry_on_stale(
+    factory: sessionmaker[Session], work: Callable[[Session], T], attempts: int = 5
+) -> T:
+    """Run ``work`` in a transaction; run it again, in a new one, if it lost a
+    compare-and-set to a concurrent writer. The last ``StaleState`` propagates."""
+    from service.errors import StaleState
+
+    for attempt in range(attempts):
+        try:
+            with transaction(factory) as session:
+                return work(session)
+        except StaleState:
+            if attempt == attempts - 1:
+                raise
+            logger.info("lost a compare-and-set; retrying (%d)", attempt + 1)
+    raise AssertionError("unreachable")
 
 
 def alembic_config(url: str) -> Config:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from service.api import health, jobs, nodes
 from service.db import make_engine, make_session_factory, upgrade_to_head, wait_for_database
-from service.errors import Conflict, NotFound
+from service.errors import Conflict, NotFound, StaleState
 from service.reconciler import Reconciler, utcnow
 from service.settings import ControllerSettings
 from service.states import InvalidTransition
@@ -78,6 +78,16 @@ def _map_errors(app: FastAPI) -> None:
     @app.exception_handler(Conflict)
     async def conflict(_: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_409_CONFLICT, content={"detail": str(exc)})
+
+    @app.exception_handler(StaleState)
+    async def stale(_: Request, exc: StaleState) -> JSONResponse:
+        # A concurrent writer kept winning; nothing was changed. Not a 409: node
+        # agents read 409 on a report as "fenced" and would stop the attempt.
+        return JSONResponse(
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            content={"detail": f"{exc}; nothing was changed, retry"},
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(InvalidTransition)
     async def invalid(_: Request, exc: InvalidTransition) -> JSONResponse:

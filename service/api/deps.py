@@ -31,6 +31,12 @@ def get_now(request: Request) -> datetime:
 
 # scope="function": commit before the response is sent, so a client that got 201
 # can read what it created at once (the default scope commits after sending).
+def get_session_factory(request: Request) -> sessionmaker[Session]:
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    return factory
+
+
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[ControllerSettings, Depends(get_settings)]
 NowDep = Annotated[datetime, Depends(get_now)]
+FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]

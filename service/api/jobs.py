@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query, status
 from sqlalchemy.orm import Session
 
 from service import jobs
-from service.api.deps import NowDep, SessionDep
+from service.api.deps import FactoryDep, NowDep, SessionDep
+from service.db import retry_on_stale
 from service.models import Attempt, Job, Node
 from service.schemas import (
     AttemptPublic,
@@ -111,8 +112,8 @@ def get_job(job_id: int, session: SessionDep) -> JobDetail:
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel(job_id: int, session: SessionDep, now: NowDep) -> JobPublic:
-    return job_public(jobs.cancel_job(session, job_id, now))
+def cancel(job_id: int, factory: FactoryDep, now: NowDep) -> JobPublic:
+    return retry_on_stale(factory, lambda s: job_public(jobs.cancel_job(s, job_id, now)))
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic)

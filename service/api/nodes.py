@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service import nodes, reports
-from service.api.deps import NowDep, SessionDep, SettingsDep
+from service.api.deps import FactoryDep, NowDep, SessionDep, SettingsDep
+from service.db import retry_on_stale
 from service.schemas import NodePublic, NodesPublic
 from worker.protocol import (
     AttemptReport,
@@ -35,8 +36,9 @@ def heartbeat(
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)
-def report(node_id: int, body: AttemptReport, session: SessionDep, now: NowDep) -> ReportAccepted:
-    reports.handle_report(session, node_id, body, now)
+def report(node_id: int, body: AttemptReport, factory: FactoryDep, now: NowDep) -> ReportAccepted:
+    """409 means fenced (stop the attempt); 503 means retry later."""
+    retry_on_stale(factory, lambda s: reports.handle_report(s, node_id, body, now))
     return ReportAccepted(accepted=True)
 
 
