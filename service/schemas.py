@@ -155,6 +155,12 @@ class JobCreate(JobSpec):
     """The body of a submit request."""
 
 
+class _FromRow(BaseModel):
+    """A response read straight from a table row's attributes."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+
 class MemberPublic(BaseModel):
     node_id: int
     node_name: str
@@ -208,7 +214,7 @@ class JobsPublic(BaseModel):
     offset: int
 
 
-class EventPublic(BaseModel):
+class EventPublic(_FromRow):
     id: int
     time: datetime
     kind: str
@@ -222,7 +228,7 @@ class EventsPublic(BaseModel):
     items: list[EventPublic]
 
 
-class MetricPublic(BaseModel):
+class MetricPublic(_FromRow):
     id: int
     time: datetime
     attempt_id: int
@@ -237,7 +243,7 @@ class MetricsPublic(BaseModel):
     items: list[MetricPublic]
 
 
-class LogPublic(BaseModel):
+class LogPublic(_FromRow):
     id: int
     time: datetime
     attempt_id: int
@@ -267,7 +273,7 @@ class NodesPublic(BaseModel):
     items: list[NodePublic]
 
 
-class SnapshotPublic(BaseModel):
+class SnapshotPublic(_FromRow):
     id: int
     attempt_id: int
     step: int

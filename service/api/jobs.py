@@ -121,20 +121,7 @@ def events(
     job_id: int, session: SessionDep, after_id: AfterId = 0, limit: Limit = 500
 ) -> EventsPublic:
     rows = jobs.job_events(session, job_id, after_id, limit)
-    return EventsPublic(
-        items=[
-            EventPublic(
-                id=e.id,
-                time=e.time,
-                kind=e.kind,
-                message=e.message,
-                attempt_id=e.attempt_id,
-                node_id=e.node_id,
-                data=e.data,
-            )
-            for e in rows
-        ]
-    )
+    return EventsPublic(items=[EventPublic.model_validate(r) for r in rows])
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
@@ -142,21 +129,7 @@ def metrics(
     job_id: int, session: SessionDep, after_id: AfterId = 0, limit: Limit = 1000
 ) -> MetricsPublic:
     rows = jobs.job_metrics(session, job_id, after_id, limit)
-    return MetricsPublic(
-        items=[
-            MetricPublic(
-                id=m.id,
-                time=m.time,
-                attempt_id=m.attempt_id,
-                step=m.step,
-                epoch=m.epoch,
-                loss=m.loss,
-                samples_per_s=m.samples_per_s,
-                world_size=m.world_size,
-            )
-            for m in rows
-        ]
-    )
+    return MetricsPublic(items=[MetricPublic.model_validate(r) for r in rows])
 
 
 @router.get("/{job_id}/logs", response_model=LogsPublic)
@@ -169,36 +142,10 @@ def logs(
     node_id: Annotated[int | None, Query(ge=0)] = None,
 ) -> LogsPublic:
     rows = jobs.job_logs(session, job_id, after_id, limit, local_rank, node_id)
-    return LogsPublic(
-        items=[
-            LogPublic(
-                id=r.id,
-                time=r.time,
-                attempt_id=r.attempt_id,
-                node_id=r.node_id,
-                local_rank=r.local_rank,
-                stream=r.stream,
-                line=r.line,
-            )
-            for r in rows
-        ]
-    )
+    return LogsPublic(items=[LogPublic.model_validate(r) for r in rows])
 
 
 @router.get("/{job_id}/snapshots", response_model=SnapshotsPublic)
 def snapshots(job_id: int, session: SessionDep) -> SnapshotsPublic:
     rows = jobs.job_snapshots(session, job_id)
-    return SnapshotsPublic(
-        items=[
-            SnapshotPublic(
-                id=s.id,
-                attempt_id=s.attempt_id,
-                step=s.step,
-                epoch=s.epoch,
-                path=s.path,
-                bytes=s.bytes,
-                created_at=s.created_at,
-            )
-            for s in rows
-        ]
-    )
+    return SnapshotsPublic(items=[SnapshotPublic.model_validate(r) for r in rows])
