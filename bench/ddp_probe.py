@@ -1,6 +1,6 @@
 """A plain torchrun DDP script for the recovery benchmark (it knows nothing of relaunch).
 
-Rank 0 appends one JSON line per step (wall time, step, world size) to
+Rank 0 appends one JSON line per step (wall time, step, world size, pid) to
 ``--steps-file`` and saves an atomic snapshot every ``--snapshot-every`` steps;
 every rank resumes from that snapshot at start.
 """
@@ -47,7 +47,10 @@ def main() -> None:
         step += 1
         if rank == 0:
             with open(args.steps_file, "a") as f:
-                f.write(json.dumps({"t": time.time(), "step": step, "world": world}) + "\n")
+                f.write(
+                    json.dumps({"t": time.time(), "step": step, "world": world, "pid": os.getpid()})
+                    + "\n"
+                )
             if step % args.snapshot_every == 0:
                 tmp = f"{args.snapshot}.tmp"
                 torch.save(

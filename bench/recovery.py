@@ -63,11 +63,15 @@ class Trial:
         return out
 
     def first_step(self, after: float, world: int, timeout_s: float) -> float | None:
-        """Seconds from ``after`` to the first step at ``world``; None if none in time."""
+        """Seconds from ``after`` to the first step at ``world`` taken by a process that
+        had not trained before ``after`` (a step the old incarnation finished just
+        after the fault is not a recovery); None if none in time."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for s in self.steps():
-                if s["t"] > after and s["world"] == world:
+            steps = self.steps()
+            old = {s.get("pid") for s in steps if s["t"] <= after}
+            for s in steps:
+                if s["t"] > after and s["world"] == world and s.get("pid") not in old:
                     return s["t"] - after
             time.sleep(0.1)
         return None
