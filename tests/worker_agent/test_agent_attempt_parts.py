@@ -5,13 +5,12 @@ from pathlib import Path
 import pytest
 
 from worker.attempt import (
-    EventsTail,
-    LogOutbox,
     attempt_marker,
     build_launcher_env,
     build_torchrun_args,
     parse_console_line,
 )
+from worker.outbox import EventsTail, LogOutbox
 from worker.protocol import (
     Assignment,
     Entrypoint,
