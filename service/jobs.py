@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -130,26 +130,29 @@ def add_event(
     logger.info("job=%s attempt=%s event %s: %s", job_id, attempt_id, kind, message)
 
 
-def job_events(session: Session, job_id: int, after_id: int, limit: int) -> list[JobEvent]:
+Row = TypeVar("Row", JobEvent, Metric, LogEntry)
+
+
+def _page_after(
+    session: Session, model: type[Row], job_id: int, after_id: int, limit: int, *filters: Any
+) -> list[Row]:
+    """A job's rows of ``model`` with ids above ``after_id``, oldest first (for polling)."""
     get_job(session, job_id)
     stmt = (
-        select(JobEvent)
-        .where(JobEvent.job_id == job_id, JobEvent.id > after_id)
-        .order_by(JobEvent.id)
+        select(model)
+        .where(model.job_id == job_id, model.id > after_id, *filters)
+        .order_by(model.id)
         .limit(limit)
     )
     return list(session.scalars(stmt))
+
+
+def job_events(session: Session, job_id: int, after_id: int, limit: int) -> list[JobEvent]:
+    return _page_after(session, JobEvent, job_id, after_id, limit)
 
 
 def job_metrics(session: Session, job_id: int, after_id: int, limit: int) -> list[Metric]:
-    get_job(session, job_id)
-    stmt = (
-        select(Metric)
-        .where(Metric.job_id == job_id, Metric.id > after_id)
-        .order_by(Metric.id)
-        .limit(limit)
-    )
-    return list(session.scalars(stmt))
+    return _page_after(session, Metric, job_id, after_id, limit)
 
 
 def job_logs(
@@ -160,13 +163,12 @@ def job_logs(
     local_rank: int | None = None,
     node_id: int | None = None,
 ) -> list[LogEntry]:
-    get_job(session, job_id)
-    stmt = select(LogEntry).where(LogEntry.job_id == job_id, LogEntry.id > after_id)
+    filters = []
     if local_rank is not None:
-        stmt = stmt.where(LogEntry.local_rank == local_rank)
+        filters.append(LogEntry.local_rank == local_rank)
     if node_id is not None:
-        stmt = stmt.where(LogEntry.node_id == node_id)
-    return list(session.scalars(stmt.order_by(LogEntry.id).limit(limit)))
+        filters.append(LogEntry.node_id == node_id)
+    return _page_after(session, LogEntry, job_id, after_id, limit, *filters)
 
 
 def job_snapshots(session: Session, job_id: int) -> list[Snapshot]:

@@ -168,6 +168,11 @@ def test_reports_drive_the_job_to_success_through_a_restart(
     assert api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"][0]["step"] == 10
     [line] = api.get(f"/api/v1/jobs/{job_id}/logs").json()["items"]
     assert (line["line"], line["local_rank"], line["node_id"]) == ("hello", 0, a)
+    logs = f"/api/v1/jobs/{job_id}/logs"
+    assert len(api.get(logs, params={"node_id": a, "local_rank": 0}).json()["items"]) == 1
+    assert api.get(logs, params={"local_rank": 1}).json()["items"] == []
+    assert api.get(logs, params={"node_id": b}).json()["items"] == []
+    assert api.get(logs, params={"after_id": line["id"]}).json()["items"] == []
 
 
 def test_a_failed_launcher_fails_the_job(api: TestClient, reconciler: Reconciler) -> None:
