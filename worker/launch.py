@@ -29,31 +29,20 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
 from worker import procs
-from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV, EventKind, RuntimeEvent
+from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV, EventKind
+from worker.runtime.events import EventWriter
 
 logger = logging.getLogger(__name__)
 
 _CTX = f"job={os.environ.get(JOB_ID_ENV, '-')} attempt={os.environ.get(ATTEMPT_ID_ENV, '-')}"
 _NO_ERROR_FILE = "<N/A>"  # torch's ProcessFailure.error_file when the worker wrote none
-
-
-class EventWriter:
-    """Appends ``RuntimeEvent`` JSON lines to a file, one ``os.write`` per line."""
-
-    def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def emit(self, kind: EventKind, **data: Any) -> None:
-        event = RuntimeEvent(time=datetime.now(UTC), kind=kind, data=data)
-        os.write(self._fd, (event.model_dump_json() + "\n").encode())
-
-    def close(self) -> None:
-        os.close(self._fd)
+# An error file can hold a whole traceback; an event line must stay under
+# events.MAX_LINE_BYTES to be appended atomically.
+MAX_MESSAGE_CHARS = 1000
 
 
 def failure_message(failure: Any) -> str:
@@ -68,7 +57,12 @@ def failure_message(failure: Any) -> str:
         message = message.get("message") or str(message)
     if failure.error_file == _NO_ERROR_FILE and failure.exitcode > 0:
         return f"exited with code {failure.exitcode}"
-    return str(message)
+    return bounded(str(message))
+
+
+def bounded(text: str) -> str:
+    """``text`` cut to ``MAX_MESSAGE_CHARS``, marked where it was cut."""
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 _HOOK_MARK = "_relaunch_event_hook"
@@ -100,11 +94,7 @@ def install_event_hooks(events: EventWriter) -> None:
     if getattr(original_monitor, _HOOK_MARK, False):
         raise RuntimeError("event hooks are already installed in this process")
 
-    def emit(kind: EventKind, **data: Any) -> None:
-        try:
-            events.emit(kind, **data)
-        except OSError:
-            logger.exception("%s cannot write a %s event", _CTX, kind)
+    emit = events.emit  # logs and drops a failed write itself
 
     @functools.wraps(original_rendezvous)
     def _rendezvous(self: Any, worker_group: Any) -> None:
@@ -212,7 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_event_hooks(events)
     try:
         outcome, exitcode, message = run_torchrun(torchrun_args)
-        events.emit(EventKind.LAUNCHER_EXIT, outcome=outcome, exitcode=exitcode, message=message)
+        events.emit(
+            EventKind.LAUNCHER_EXIT, outcome=outcome, exitcode=exitcode, message=bounded(message)
+        )
         logger.info("%s launcher exit: %s (%s) %s", _CTX, outcome, exitcode, message)
     finally:
         events.close()

@@ -106,3 +106,26 @@ def test_bad_torchrun_arguments_still_end_with_a_launcher_exit(tmp_path: Path) -
     assert run.returncode == 2
     (line,) = events.read_text().splitlines()
     assert json.loads(line)["data"]["outcome"] == "failed"
+
+
+def test_a_long_worker_error_still_fits_in_one_event_line(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from worker.launch import MAX_MESSAGE_CHARS, failure_message
+    from worker.protocol import EventKind, RuntimeEvent
+    from worker.runtime.events import EventWriter
+
+    traceback = "Traceback (most recent call last):\n" + "  frame\n" * 5000
+    failure = SimpleNamespace(
+        message={"message": traceback}, error_file="/tmp/err.json", exitcode=1
+    )
+    message = failure_message(failure)
+    assert len(message) == MAX_MESSAGE_CHARS
+    assert message.startswith("Traceback") and message.endswith("...")
+    path = tmp_path / "events.jsonl"
+    with EventWriter(path) as events:
+        events.emit(
+            EventKind.WORKER_FAILED, local_rank=0, global_rank=0, exitcode=1, message=message
+        )
+    [line] = path.read_text().splitlines()
+    assert RuntimeEvent.model_validate_json(line).data["message"] == message
