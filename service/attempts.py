@@ -134,15 +134,13 @@ def end_attempt(
 
 
 def drop_member(session: Session, member: AttemptMember, now: datetime, why: str) -> None:
-    node = session.get(Node, member.node_id)
     if end_member(session, member, MemberState.LEFT, now):
-        attempt = session.get(Attempt, member.attempt_id)
-        assert attempt is not None
+        attempt = member.attempt
         add_event(
             session,
             attempt.job_id,
             "node_left",
-            f"node {node.name if node else member.node_id} left attempt {attempt.number}: {why}",
+            f"node {member.node.name} left attempt {attempt.number}: {why}",
             now,
             attempt_id=attempt.id,
             node_id=member.node_id,

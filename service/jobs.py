@@ -13,7 +13,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import NotFound, StaleState
-from service.models import Attempt, Job, JobEvent, LogEntry, Metric, Snapshot
+from service.models import Job, JobEvent, LogEntry, Metric, Snapshot
 from service.schemas import JobSpec
 from service.states import JOB_TRANSITIONS, JobState, check_transition
 
@@ -174,9 +174,4 @@ def job_logs(
 def job_snapshots(session: Session, job_id: int) -> list[Snapshot]:
     get_job(session, job_id)
     stmt = select(Snapshot).where(Snapshot.job_id == job_id).order_by(Snapshot.step)
-    return list(session.scalars(stmt))
-
-
-def job_attempts(session: Session, job_id: int) -> list[Attempt]:
-    stmt = select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number)
     return list(session.scalars(stmt))

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from service.attempts import assignment_for, drop_member
 from service.errors import NotFound
-from service.models import Attempt, AttemptMember, Job, Node
+from service.models import Attempt, AttemptMember, Node
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
 from worker.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
@@ -92,14 +92,9 @@ def heartbeat(
 def assignments_for(
     session: Session, node_id: int, settings: ControllerSettings
 ) -> list[Assignment]:
-    out = []
-    for member in memberships(session, node_id):
-        attempt = session.get(Attempt, member.attempt_id)
-        assert attempt is not None
-        job = session.get(Job, attempt.job_id)
-        assert job is not None
-        out.append(assignment_for(attempt, job, settings))
-    return out
+    return [
+        assignment_for(m.attempt, m.attempt.job, settings) for m in memberships(session, node_id)
+    ]
 
 
 def list_nodes(session: Session) -> list[tuple[Node, Attempt | None]]:

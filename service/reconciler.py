@@ -272,11 +272,7 @@ class Reconciler:
         attempt = session.get(Attempt, action.attempt_id)
         if attempt is None or attempt.state is not AttemptState.RUNNING:
             raise StaleState(f"attempt {action.attempt_id} is no longer running")
-        if active_members(session, attempt.id) and any(
-            n.state is NodeState.ALIVE
-            for n in (session.get(Node, m.node_id) for m in active_members(session, attempt.id))
-            if n is not None
-        ):
+        if any(m.node.state is NodeState.ALIVE for m in active_members(session, attempt.id)):
             raise StaleState(f"attempt {attempt.id} has a live member again")
         end_attempt(session, attempt, AttemptState.STOPPED, now, "every node was lost")
         change_job_state(session, job, JobState.PENDING, now, message="waiting for nodes")

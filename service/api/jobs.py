@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, status
-from sqlalchemy.orm import Session
 
 from service import jobs
 from service.api.deps import FactoryDep, NowDep, SessionDep
 from service.db import retry_on_stale
-from service.models import Attempt, Job, Node
+from service.models import Attempt, Job
 from service.schemas import (
     AttemptPublic,
     EventPublic,
@@ -59,20 +58,18 @@ def job_public(job: Job) -> JobPublic:
     )
 
 
-def attempt_public(session: Session, attempt: Attempt) -> AttemptPublic:
-    members = []
-    for m in attempt.members:
-        node = session.get(Node, m.node_id)
-        members.append(
-            MemberPublic(
-                node_id=m.node_id,
-                node_name=node.name if node else str(m.node_id),
-                state=m.state,
-                joined_at=m.joined_at,
-                left_at=m.left_at,
-                exit_code=m.exit_code,
-            )
+def attempt_public(attempt: Attempt) -> AttemptPublic:
+    members = [
+        MemberPublic(
+            node_id=m.node_id,
+            node_name=m.node.name,
+            state=m.state,
+            joined_at=m.joined_at,
+            left_at=m.left_at,
+            exit_code=m.exit_code,
         )
+        for m in attempt.members
+    ]
     return AttemptPublic(
         id=attempt.id,
         number=attempt.number,
@@ -107,7 +104,7 @@ def list_jobs(
 @router.get("/{job_id}", response_model=JobDetail)
 def get_job(job_id: int, session: SessionDep) -> JobDetail:
     job = jobs.get_job(session, job_id)
-    attempts = [attempt_public(session, a) for a in jobs.job_attempts(session, job_id)]
+    attempts = [attempt_public(a) for a in job.attempts]
     return JobDetail(**job_public(job).model_dump(), attempts=attempts)
 
 
