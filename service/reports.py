@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from service.attempts import end_attempt, end_member, find_member
 from service.errors import Fenced
 from service.jobs import add_event, change_job_state, get_job
-from service.models import Attempt, Job, LogEntry, Metric, Node, Snapshot
+from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
 from service.nodes import get_node
 from service.states import AttemptState, JobState, MemberState
 from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent
@@ -34,7 +34,7 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
     live = attempt.state is AttemptState.RUNNING and member.state is MemberState.ACTIVE
     if not live:
         if report.exit is not None:
-            _record_stale_exit(session, node, attempt, report.exit, now)
+            _record_stale_exit(session, member, report.exit, now)
             return
         raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it")
     job = get_job(session, attempt.job_id, for_update=True)
@@ -42,7 +42,7 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
     for event in report.events:
         _apply_event(session, job, attempt, node, event, now)
     if report.exit is not None:
-        _apply_exit(session, job, attempt, node, report.exit, now)
+        _apply_exit(session, job, member, report.exit, now)
 
 
 def _store_logs(
@@ -181,10 +181,9 @@ def _apply_started(
 
 
 def _apply_exit(
-    session: Session, job: Job, attempt: Attempt, node: Node, exit: AttemptExit, now: datetime
+    session: Session, job: Job, member: AttemptMember, exit: AttemptExit, now: datetime
 ) -> None:
-    member = find_member(session, attempt.id, node.id)
-    assert member is not None
+    attempt, node = member.attempt, member.node
     new_member_state = MemberState.LEFT if exit.outcome == "stopped" else MemberState.EXITED
     end_member(session, member, new_member_state, now, exit.exit_code)
     ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id}
@@ -208,12 +207,10 @@ def _apply_exit(
 
 
 def _record_stale_exit(
-    session: Session, node: Node, attempt: Attempt, exit: AttemptExit, now: datetime
+    session: Session, member: AttemptMember, exit: AttemptExit, now: datetime
 ) -> None:
-    member = find_member(session, attempt.id, node.id)
-    if member is not None:
-        end_member(session, member, MemberState.LEFT, now, exit.exit_code)
-    _record_stopped(session, attempt.job_id, node, attempt, exit, now)
+    end_member(session, member, MemberState.LEFT, now, exit.exit_code)
+    _record_stopped(session, member.attempt.job_id, member.node, member.attempt, exit, now)
 
 
 def _record_stopped(
