@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
 PG_ADMIN_URL = os.environ.get("RELAUNCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def wait_for(
+    what: str, predicate: Callable[[], Any], timeout_s: float = 40.0, interval_s: float = 0.1
+) -> Any:
+    """Poll ``predicate`` until it returns something true, and return that;
+    fail the test with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 class FakeClock:

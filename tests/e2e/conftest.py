@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,10 @@ import pytest
 
 from service.client import RelaunchClient
 from service.demo import LocalCluster, free_port
+from tests.conftest import wait_for
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+POLL_S = 0.3  # between polls of the controller or the process table
 
 
 @pytest.fixture(scope="module")
@@ -43,27 +44,17 @@ def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
         yield c
 
 
-def wait_for(
-    predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.3
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def wait_terminal(client: RelaunchClient, job_id: int, timeout_s: float = 240) -> dict[str, Any]:
     job: dict[str, Any] = wait_for(
+        f"job {job_id} to end",
         lambda: (j := client.job(job_id))["state"] in TERMINAL and j,
         timeout_s,
-        f"job {job_id} to end",
+        POLL_S,
     )
     return job
 
 
 def wait_no_processes(cluster: LocalCluster, job_id: int, timeout_s: float = 15) -> None:
-    wait_for(lambda: not cluster.job_processes(job_id), timeout_s, f"no process of job {job_id}")
+    wait_for(
+        f"no process of job {job_id}", lambda: not cluster.job_processes(job_id), timeout_s, POLL_S
+    )

@@ -12,7 +12,8 @@ import torch
 
 from service.client import RelaunchClient
 from service.demo import LocalCluster
-from tests.e2e.conftest import wait_for, wait_no_processes, wait_terminal
+from tests.conftest import wait_for
+from tests.e2e.conftest import POLL_S, wait_no_processes, wait_terminal
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
     cluster: LocalCluster, client: RelaunchClient
 ) -> None:
     job_id = client.submit(regression_spec("killed", step_delay=0.15))["id"]
-    wait_for(lambda: (client.job(job_id)["last_step"] or 0) >= 20, 120, "step 20")
+    wait_for("step 20", lambda: (client.job(job_id)["last_step"] or 0) >= 20, 120, POLL_S)
     victims = cluster.job_workers(job_id)
     assert len(victims) == 2, victims  # one worker on each node
     victims[0].send_signal(signal.SIGKILL)
@@ -87,18 +88,17 @@ def test_cancel_ends_every_process_of_the_job(
     cluster: LocalCluster, client: RelaunchClient
 ) -> None:
     job_id = client.submit(regression_spec("to-cancel", step_delay=0.2))["id"]
-    wait_for(lambda: (client.job(job_id)["last_step"] or 0) >= 2, 120, "training to start")
+    wait_for("training to start", lambda: (client.job(job_id)["last_step"] or 0) >= 2, 120, POLL_S)
     assert cluster.job_workers(job_id)
     assert client.cancel(job_id)["state"] == "CANCELLED"
     wait_no_processes(cluster, job_id)
     stopped = wait_for(
+        "both nodes to report they stopped",
         lambda: (
-            [e for e in client.events(job_id) if e["kind"] == "node_stopped"]
-            if len([e for e in client.events(job_id) if e["kind"] == "node_stopped"]) == 2
-            else None
+            len(s := [e for e in client.events(job_id) if e["kind"] == "node_stopped"]) == 2 and s
         ),
         30,
-        "both nodes to report they stopped",
+        POLL_S,
     )
     assert all(e["data"]["clean"] for e in stopped)
     assert client.cancel(job_id)["state"] == "CANCELLED"

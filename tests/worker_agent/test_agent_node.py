@@ -13,15 +13,15 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
+from tests.conftest import wait_for
 from worker import procs
 from worker.protocol import (
     Assignment,
@@ -108,16 +108,6 @@ class FakeController:
             return [r for r in self.reports if r.attempt_id == attempt_id]
 
 
-def _wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = 40.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _processes_of(attempt_id: int) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
@@ -140,7 +130,7 @@ def controller() -> Iterator[tuple[FakeController, str]]:
     server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    _wait_for("the fake controller", lambda: server.started, 20)
+    wait_for("the fake controller", lambda: server.started, 20)
     port = server.servers[0].sockets[0].getsockname()[1]
     yield fake, f"http://127.0.0.1:{port}"
     server.should_exit = True
@@ -246,9 +236,9 @@ def test_a_restarted_agent_kills_what_its_previous_life_left(
     cleanup.append(first)
     with fake.lock:
         fake.assignments[4] = _assignment(4, long, store_endpoint, nproc=1)
-    _wait_for("attempt 4 output", lambda: any(r.logs for r in fake.of(4)))
-    _wait_for("attempt 4 in the ledger", lambda: '"4"' in _ledger_text(tmp_path))
-    launcher = _wait_for(
+    wait_for("attempt 4 output", lambda: any(r.logs for r in fake.of(4)))
+    wait_for("attempt 4 in the ledger", lambda: '"4"' in _ledger_text(tmp_path))
+    launcher = wait_for(
         "the launcher",
         lambda: [p for p in _processes_of(4) if "worker.launch" in " ".join(p.cmdline())],
     )[0]
@@ -258,9 +248,9 @@ def test_a_restarted_agent_kills_what_its_previous_life_left(
     # PR_SET_PDEATHSIG: the launcher gets SIGTERM and stops its worker ...
     # (a bound on liveness, not on speed: torch's orderly stop of the workers and
     # the rendezvous can take a while on a loaded 2-core machine)
-    _wait_for("the launcher to die with the agent", lambda: not procs.is_alive(launcher), 45)
+    wait_for("the launcher to die with the agent", lambda: not procs.is_alive(launcher), 45)
     # ... but the worker's SIGTERM-proof grandchild in its own session lives on.
-    _wait_for("only the orphan left", lambda: len(_processes_of(4)) == 1, 20)
+    wait_for("only the orphan left", lambda: len(_processes_of(4)) == 1, 20)
     survivors = _processes_of(4)
     assert survivors[0].ppid() != first.pid
 
@@ -268,7 +258,7 @@ def test_a_restarted_agent_kills_what_its_previous_life_left(
         fake.assignments.clear()
     second = _start_agent(tmp_path, url, "agent-2.log")
     cleanup.append(second)
-    _wait_for("the leftover to be killed", lambda: _processes_of(4) == [], timeout_s=20)
+    wait_for("the leftover to be killed", lambda: _processes_of(4) == [], timeout_s=20)
     second.send_signal(signal.SIGTERM)
     assert second.wait(20) == 0
 
@@ -283,7 +273,7 @@ def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) 
     #    then the exit report; it is not started twice.
     with fake.lock:
         fake.assignments[1] = _assignment(1, short, endpoint, nproc=2)
-    _wait_for("attempt 1 exit", lambda: any(r.exit for r in fake.of(1)))
+    wait_for("attempt 1 exit", lambda: any(r.exit for r in fake.of(1)))
     reports = fake.of(1)
     logs = [(line.local_rank, line.stream, line.line) for r in reports for line in r.logs]
     for rank in (0, 1):
@@ -306,8 +296,8 @@ def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) 
     def ticking(attempt_id: int) -> bool:
         return any("tick" in line.line for r in fake.of(attempt_id) for line in r.logs)
 
-    _wait_for("attempt 2 output", lambda: ticking(2))
-    _wait_for("attempt 3 output", lambda: ticking(3))
+    wait_for("attempt 2 output", lambda: ticking(2))
+    wait_for("attempt 3 output", lambda: ticking(3))
     # launcher + workers + their new-session grandchildren
     assert len(_processes_of(2)) >= 5
 
@@ -316,19 +306,19 @@ def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) 
             last = [r for r in fake.heartbeats[-1].running if r.attempt_id == 2]
         return bool(last) and last[0].launcher_pid is not None and last[0].processes >= 5
 
-    _wait_for("a heartbeat with the tree of attempt 2", heartbeat_counts_the_tree, 10)
+    wait_for("a heartbeat with the tree of attempt 2", heartbeat_counts_the_tree, 10)
     with fake.lock:
         del fake.assignments[2]
         fake.fenced.add(3)
 
-    stopped = _wait_for(
+    stopped = wait_for(
         "attempt 2 stopped", lambda: [r.exit for r in fake.of(2) if r.exit], timeout_s=30
     )[0]
     assert stopped.outcome == "stopped" and stopped.clean
     assert _processes_of(2) == []
 
-    _wait_for("attempt 3 refused", lambda: 3 in fake.refused)
-    (fenced_exit,) = _wait_for("attempt 3 exit", lambda: list(fake.stale_exits), timeout_s=30)
+    wait_for("attempt 3 refused", lambda: 3 in fake.refused)
+    (fenced_exit,) = wait_for("attempt 3 exit", lambda: list(fake.stale_exits), timeout_s=30)
     assert fenced_exit.attempt_id == 3 and fenced_exit.logs == [] and fenced_exit.events == []
     assert fenced_exit.exit is not None
     assert fenced_exit.exit.outcome == "stopped" and fenced_exit.exit.clean
