@@ -47,7 +47,9 @@ class TrainerConfig:
     snapshot, once that many global steps are done (for drills and tests); the
     run then counts as unfinished and writes no final model. ``drop_last_batch``
     skips each rank's short last batch of an epoch (BatchNorm cannot train on a
-    batch of one).
+    batch of one). ``freeze_at_step`` is a drill for hang detection: global rank
+    ``freeze_rank`` stops making progress after that step, once per job (a
+    marker file in the snapshot directory remembers that it did).
     """
 
     max_epochs: int
@@ -63,6 +65,8 @@ class TrainerConfig:
     output_path: str | None = None
     stop_after_steps: int | None = None
     drop_last_batch: bool = False
+    freeze_at_step: int | None = None
+    freeze_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.max_epochs < 1:

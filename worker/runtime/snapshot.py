@@ -18,6 +18,7 @@ import re
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,12 +136,15 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+def atomic_torch_save(
+    obj: Any, path: str | os.PathLike[str], before_commit: Callable[[], None] | None = None
+) -> Path:
     """``torch.save`` ``obj`` to ``path`` so that ``path`` is either old or complete.
 
-    Writes ``.{name}.{host}.{pid}.{token}.tmp`` beside ``path``, fsyncs it, renames
-    it over ``path`` and fsyncs the directory. The temporary file is removed if
-    anything fails before the rename.
+    Writes ``.{name}.{host}.{pid}.{token}.tmp`` beside ``path``, fsyncs it, calls
+    ``before_commit`` (a fence that raises to refuse the write), renames it over
+    ``path`` and fsyncs the directory. The temporary file is removed if anything
+    fails before the rename.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
             torch.save(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if before_commit is not None:
+            before_commit()
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -194,13 +200,19 @@ def _remove_stale_tmp_files(directory: Path) -> None:
                 entry.unlink()
 
 
-def save_snapshot(directory: str | os.PathLike[str], snapshot: Snapshot, keep: int = 2) -> Path:
+def save_snapshot(
+    directory: str | os.PathLike[str],
+    snapshot: Snapshot,
+    keep: int = 2,
+    before_commit: Callable[[], None] | None = None,
+) -> Path:
     """Write ``snapshot`` atomically as ``snapshot-{step:09d}.pt`` and prune.
 
     After the new file is durably in place, older snapshots are removed so that
     the new one and the ``keep - 1`` newest older ones remain; a snapshot with a
     higher step than the new one (a stale writer's, or one that failed to load)
     is left alone. Temporary files of crashed writers are removed too.
+    ``before_commit`` runs just before the rename (see ``atomic_torch_save``).
     Raises ``ValueError`` if ``keep < 1``.
     """
     if keep < 1:
@@ -208,7 +220,9 @@ def save_snapshot(directory: str | os.PathLike[str], snapshot: Snapshot, keep: i
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_files(root)
-    path = atomic_torch_save(snapshot.to_payload(), snapshot_path(root, snapshot.step))
+    path = atomic_torch_save(
+        snapshot.to_payload(), snapshot_path(root, snapshot.step), before_commit
+    )
     older = [p for step, p in list_snapshots(root) if step < snapshot.step]
     for stale in older[: max(0, len(older) - (keep - 1))]:
         with contextlib.suppress(FileNotFoundError):

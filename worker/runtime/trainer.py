@@ -34,6 +34,8 @@ from worker.runtime.collectives import agree_on_snapshot, mean_across_ranks
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
 from worker.runtime.events import EventWriter
+from worker.runtime.fence import writer_token_from_environ
+from worker.runtime.progress import beat
 from worker.runtime.sampler import ResumableDistributedSampler, steps_left
 from worker.runtime.setup import (
     LossFn,
@@ -94,8 +96,11 @@ class Trainer:
         self.world_size = dist.get_world_size()
         if self.rank == 0:
             self.events = events if events is not None else EventWriter.from_environ()
+            # Taken before loading: from now on an older rank 0 can no longer commit.
+            self._writer = writer_token_from_environ()
         else:
             self.events = EventWriter.disabled()
+            self._writer = None
         seed_everything(config.seed)
 
         self.model = model = prepare_model(model, self.device)
@@ -115,6 +120,7 @@ class Trainer:
         self._window_start = time.monotonic()  # throughput since the last progress report
         self._window_samples = 0
         self._load_snapshot()
+        beat()
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=True)
@@ -168,11 +174,29 @@ class Trainer:
         output = cfg.final_output_path
         if self.rank == 0:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            atomic_torch_save(state, output)
+            atomic_torch_save(state, output, self._check_writer)
             self.events.emit(EventKind.FINISHED, step=self.step, loss=loss, output_path=str(output))
             logger.info("finished at step %d, loss %s; model in %s", self.step, loss, output)
         dist.barrier()
         return TrainResult(self.step, self.epoch, loss, True, output)
+
+    def _check_writer(self) -> None:
+        """Refuse to commit a file unless this is the job's newest rank 0 (see ``fence``)."""
+        if self._writer is not None:
+            self._writer.check()
+
+    def _freeze_drill(self) -> None:
+        cfg = self.config
+        if cfg.freeze_at_step != self.step or cfg.freeze_rank != self.rank:
+            return
+        marker = Path(cfg.snapshot_dir) / f".froze-at-step-{self.step}"
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        logger.warning("drill: freezing at step %d (freeze_at_step)", self.step)
+        while True:
+            time.sleep(1.0)
 
     def _stop_requested(self) -> bool:
         stop = self.config.stop_after_steps
@@ -186,6 +210,8 @@ class Trainer:
         for index, (inputs, targets) in enumerate(self.loader):
             loss = self._run_batch(inputs, targets)
             self.step += 1
+            beat()
+            self._freeze_drill()
             self._last_loss = loss
             samples = len(inputs) * self.world_size  # every rank's batch has this size
             self._window_samples += samples
@@ -264,7 +290,13 @@ class Trainer:
             seed=self.config.seed,
             device=self.device,
         )
-        path = save_snapshot(self.config.snapshot_dir, snapshot, keep=self.config.snapshot_keep)
+        path = save_snapshot(
+            self.config.snapshot_dir,
+            snapshot,
+            keep=self.config.snapshot_keep,
+            before_commit=self._check_writer,
+        )
+        beat()  # a long save is progress too
         size = path.stat().st_size
         self.events.emit(
             EventKind.SNAPSHOT, step=self.step, epoch=self.epoch, path=str(path), bytes=size

@@ -113,6 +113,8 @@ def trainer_config(
         lr=params.lr,
         seed=params.seed,
         step_delay_s=params.step_delay,
+        freeze_at_step=params.freeze_at_step or None,
+        freeze_rank=params.freeze_rank,
         log_every_steps=params.log_every_steps,
         snapshot_dir=args.snapshot_dir,
         snapshot_every_steps=args.snapshot_every_steps,

@@ -32,6 +32,13 @@ class CommonParams(BaseModel):
     log_every_steps: int = Field(
         default=10, ge=1, le=100_000, description="steps between progress reports"
     )
+    freeze_at_step: int = Field(
+        default=0,
+        ge=0,
+        le=10**9,
+        description="drill: freeze rank freeze_rank after this step, once per job (0: never)",
+    )
+    freeze_rank: int = Field(default=0, ge=0, le=65535, description="rank the drill freezes")
 
 
 class RegressionParams(CommonParams):
