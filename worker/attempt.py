@@ -38,9 +38,11 @@ from worker.protocol import (
     EVENTS_FILE_ENV,
     JOB_ID_ENV,
     NODE_NAME_ENV,
+    PROGRESS_DIR_ENV,
     SNAPSHOT_DIR_ENV,
     SNAPSHOT_EVERY_EPOCHS_ENV,
     SNAPSHOT_EVERY_STEPS_ENV,
+    STORE_ENDPOINT_ENV,
     Assignment,
     AttemptExit,
     AttemptReport,
@@ -59,6 +61,7 @@ _PREFIX = re.compile(rf"^\[{TORCHRUN_ROLE}(\d+)\]:")
 # Variables torchrun would read as defaults for its own options, or to change the prefix.
 _TORCHRUN_ENV_PREFIX = "PET_"
 _PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 # Agent-internal (not part of the protocol): which agent started a process.
 AGENT_DIR_ENV = "RELAUNCH_NODE_AGENT_DIR"
 
@@ -107,12 +110,14 @@ def build_torchrun_args(assignment: Assignment, *, local_addr: str, log_dir: Pat
         "--rdzv-endpoint", rdzv.endpoint,
         "--rdzv-id", rdzv.rdzv_id,
         "--rdzv-conf", rdzv_conf,
-        "--max-restarts", str(assignment.max_restarts),
+        "--max-restarts", str(assignment.restart.max_restarts),
         "--monitor-interval", str(MONITOR_INTERVAL_S),
         "--local-addr", local_addr,
         "--tee", "3",
         "--log-dir", str(log_dir),
     ]  # fmt: skip
+    # Every worker starts in worker.bootstrap, which runs the program unchanged.
+    args += ["-m", "worker.bootstrap"]
     if entry.module is not None:
         args += ["-m", entry.module]
     else:
@@ -126,6 +131,7 @@ def build_launcher_env(
     settings: AgentSettings,
     events_file: Path,
     base_env: Mapping[str, str],
+    progress_dir: Path | None = None,
 ) -> dict[str, str]:
     """The launcher's environment; its workers inherit it. Ours wins over ``assignment.env``."""
     env = {
@@ -140,6 +146,7 @@ def build_launcher_env(
             JOB_ID_ENV: str(assignment.job_id),
             SNAPSHOT_DIR_ENV: assignment.snapshot_dir,
             EVENTS_FILE_ENV: str(events_file),
+            STORE_ENDPOINT_ENV: assignment.rendezvous.endpoint,
             # Workers get their own MASTER_ADDR store instead of the rendezvous
             # store of the rank-0 agent: avoids restart storms (ELASTIC-FACTS.md).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -149,11 +156,27 @@ def build_launcher_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if progress_dir is not None:
+        env[PROGRESS_DIR_ENV] = str(progress_dir)
     if assignment.snapshot_every_steps is not None:
         env[SNAPSHOT_EVERY_STEPS_ENV] = str(assignment.snapshot_every_steps)
     if assignment.snapshot_every_epochs is not None:
         env[SNAPSHOT_EVERY_EPOCHS_ENV] = str(assignment.snapshot_every_epochs)
+    if GLOO_IFNAME_ENV not in env:
+        # Without it gloo binds to what the hostname resolves to, often 127.0.x.1, and
+        # tells its peers on other hosts to connect there. The job's env may override it.
+        interface = interface_of(settings.address)
+        if interface is not None:
+            env[GLOO_IFNAME_ENV] = interface
     return env
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds ``address``, if any."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -179,6 +202,7 @@ class Attempt:
         self._settings = settings
         self.dir = settings.work_dir / "attempts" / str(assignment.attempt_id)
         self.events_path = self.dir / "events.jsonl"
+        self.progress_dir = self.dir / "progress"
         self._logs = LogOutbox()
         self._events = EventsTail(self.events_path)
         self._popen: subprocess.Popen[bytes] | None = None
@@ -211,13 +235,18 @@ class Attempt:
                 settings=self._settings,
                 events_file=self.events_path,
                 base_env=os.environ,
+                progress_dir=self.progress_dir,
             )
             command = [
                 sys.executable, "-m", "worker.launch",
                 "--events-file", str(self.events_path),
                 "--parent-pid", str(os.getpid()),
-                "--", *torchrun_args,
+                "--restart-policy", self.assignment.restart.model_dump_json(),
+                "--progress-dir", str(self.progress_dir),
             ]  # fmt: skip
+            if self.assignment.hang_timeout_s is not None:
+                command += ["--hang-timeout-s", str(self.assignment.hang_timeout_s)]
+            command += ["--", *torchrun_args]
             self._popen = subprocess.Popen(
                 command,
                 env=env,
@@ -332,6 +361,7 @@ class Attempt:
             exit_code=code,
             message=message,
             clean=clean,
+            fatal=code != 0 and last is not None and bool(last.data.get("fatal")),
         )
         logger.info("%s launcher exited: %s", self._ctx, self.exit)
         return True

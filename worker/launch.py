@@ -10,31 +10,41 @@ It parses the torchrun arguments with torchrun's own parser and calls
 on an ``O_APPEND`` descriptor, so lines from several writers never interleave):
 
 - RENDEZVOUS after every rendezvous round,
-- WORKER_FAILED for each failed local worker when the monitor sees the group FAILED,
+- WORKER_FAILED for each failed local worker when the monitor sees the group
+  FAILED, with its cause (crash, hang, fatal exit code, start-up error),
+- HANG for a worker that stopped making progress (see ``Supervision``),
 - LAUNCHER_EXIT once at the end (exit status 0 on success, 1 on failure,
   128 + signal when stopped by a signal, 2 on bad arguments).
 
-The events come from two wrapped methods of torch's elastic agent, in this
-process only (see ``install_event_hooks``). The launcher asks the kernel for
-SIGTERM when its parent (the node agent) dies; torch's agent turns SIGTERM into
-an orderly stop of its workers.
+The events come from three wrapped methods of torch's elastic agent, in this
+process only (see ``install_event_hooks``), which also apply relaunch's
+restart policy: fatal failures end the launcher at once, restarts back off.
+
+The launcher asks the kernel for SIGTERM when its parent (the node agent) dies;
+torch's agent turns SIGTERM into an orderly stop of its workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from worker import procs
-from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV, EventKind
+from worker.bootstrap import STACK_DUMP_SIGNAL
+from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV, EventKind, RestartPolicy
 from worker.runtime.events import EventWriter
+from worker.runtime.progress import progress_file
 
 logger = logging.getLogger(__name__)
 
@@ -66,41 +76,179 @@ def bounded(text: str) -> str:
 
 
 _HOOK_MARK = "_relaunch_event_hook"
+# Exception types (from a worker's error file) that no restart can fix: the
+# program cannot even start. ``EntrypointNotFound`` is worker.bootstrap's.
+STARTUP_ERRORS = (
+    "ModuleNotFoundError",
+    "ImportError",
+    "SyntaxError",
+    "IndentationError",
+    "TabError",
+    "EntrypointNotFound",
+)
+# A collective that broke because a peer process or node went away (gloo on CPU, NCCL on
+# GPU). The failed peer, if it still lives, reports its own failure; this one is a
+# consequence, which the controller counts as a membership change, not a restart.
+PEER_LOST_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
+STACK_DUMP_WAIT_S = 1.0  # for faulthandler to write every thread's stack before SIGKILL
 
 
-def install_event_hooks(events: EventWriter) -> None:
-    """Wrap two methods of ``LocalElasticAgent`` so that they also record events.
+@dataclass
+class Supervision:
+    """What the launcher decides beyond torch's agent: fatal failures, back-off, hangs.
+
+    One instance per launcher process, shared by the hooks. ``policy.max_restarts``
+    is torch's own local budget; the job-wide budget is the controller's.
+    """
+
+    events: EventWriter
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    hang_timeout_s: float | None = None
+    progress_dir: Path | None = None
+    clock: Callable[[], float] = time.time
+    fatal: str | None = None  # why the launcher gave up without restarting
+    back_off_next_restart: bool = False
+    hung_pids: set[int] = field(default_factory=set)
+
+    def classify(self, failure: Any) -> tuple[str, bool]:
+        """(cause, fatal) of one torch ``ProcessFailure``."""
+        if failure.pid in self.hung_pids:
+            return "hang", False
+        if failure.exitcode in self.policy.fatal_exit_codes:
+            return "fatal_exit_code", True
+        message = failure_message(failure)
+        if message.split(":", 1)[0].strip() in STARTUP_ERRORS:
+            return "startup_error", True
+        if any(marker in message for marker in PEER_LOST_MARKERS):
+            return "peer_lost", False
+        return "crash", False
+
+    def on_failed(self, failures: dict[int, Any]) -> bool:
+        """Record each failed worker, first by time first; True if one is fatal."""
+        fatal = False
+        for global_rank, failure in sorted(failures.items(), key=lambda kv: kv[1].timestamp):
+            cause, is_fatal = self.classify(failure)
+            message = failure_message(failure)
+            if is_fatal and self.fatal is None:
+                self.fatal = f"{cause.replace('_', ' ')} on rank {global_rank}: {message}"
+            fatal = fatal or is_fatal
+            self.events.emit(
+                EventKind.WORKER_FAILED,
+                local_rank=failure.local_rank,
+                global_rank=global_rank,
+                exitcode=failure.exitcode,
+                message=message,
+                cause=cause,
+                fatal=is_fatal,
+            )
+        self.hung_pids.clear()
+        return fatal
+
+    def clear_progress(self, local_ranks: Sequence[int]) -> None:
+        """Forget the beats of a worker group that is about to be replaced."""
+        if self.progress_dir is None:
+            return
+        for local_rank in local_ranks:
+            with contextlib.suppress(FileNotFoundError):
+                progress_file(self.progress_dir, local_rank).unlink()
+
+    def find_hung(self, workers: Sequence[Any]) -> list[tuple[Any, float]]:
+        """(worker, idle seconds) of each worker that beat once and then not for the timeout."""
+        if self.hang_timeout_s is None or self.progress_dir is None:
+            return []
+        now = self.clock()
+        hung = []
+        for worker in workers:
+            try:
+                idle = now - progress_file(self.progress_dir, worker.local_rank).stat().st_mtime
+            except FileNotFoundError:
+                continue  # no beat yet: still starting, or a program that never beats
+            if idle > self.hang_timeout_s and worker.id not in self.hung_pids:
+                hung.append((worker, idle))
+        return hung
+
+    def end_hung(self, all_workers: Sequence[Any], hung: list[tuple[Any, float]]) -> None:
+        """Dump every local worker's stacks into the logs, then SIGKILL the hung ones.
+
+        The next monitor pass sees them failed; torch restarts the group and the
+        failure is reported with cause "hang".
+        """
+        for worker, idle in hung:
+            logger.error(
+                "%s worker local_rank %s (rank %s, pid %s) made no progress for %.1f s; "
+                "dumping stacks and restarting",
+                _CTX, worker.local_rank, worker.global_rank, worker.id, idle,
+            )  # fmt: skip
+            self.events.emit(
+                EventKind.HANG,
+                local_rank=worker.local_rank,
+                global_rank=worker.global_rank,
+                idle_s=round(idle, 1),
+                timeout_s=self.hang_timeout_s,
+            )
+        for worker in all_workers:
+            _signal(worker.id, STACK_DUMP_SIGNAL)
+        time.sleep(STACK_DUMP_WAIT_S)
+        for worker, _ in hung:
+            self.hung_pids.add(worker.id)
+            _signal(worker.id, signal.SIGKILL)
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def install_event_hooks(supervision: Supervision) -> None:
+    """Wrap three methods of ``LocalElasticAgent`` to record events and apply our policy.
 
     Seams (torch 2.13, ``torch/distributed/elastic/agent/server/``):
 
     - ``SimpleElasticAgent._rendezvous(worker_group)`` (api.py) fills
       ``worker_group`` with the round's ranks; it runs for the first round and
-      for every restart (``_initialize_workers`` -> ``_rendezvous``). The
-      restart count is computed as torch does for TORCHELASTIC_RESTART_COUNT:
-      ``spec.max_restarts - agent._remaining_restarts``.
+      for every restart (``_initialize_workers`` -> ``_rendezvous``), before the
+      workers start. The restart count is computed as torch does for
+      TORCHELASTIC_RESTART_COUNT: ``spec.max_restarts - agent._remaining_restarts``.
     - ``LocalElasticAgent._monitor_workers(worker_group)`` returns a
       ``RunResult``; on FAILED, ``failures`` maps *global* rank to a
-      ``ProcessFailure`` (which carries ``local_rank``). It also holds the
-      siblings the agent SIGTERMed after the first failure (negative exitcode).
+      ``ProcessFailure`` (which carries ``local_rank`` and ``pid``). Torch has
+      already terminated the siblings then. ``_invoke_run`` restarts the group
+      while ``agent._remaining_restarts > 0``; a fatal failure sets it to 0, so
+      torch stops the workers and the launcher exits failed. While HEALTHY,
+      workers that stopped beating are ended (hang detection).
+    - ``SimpleElasticAgent._restart_workers(worker_group)`` runs for failures
+      and for membership changes alike; after a failure it first waits the
+      back-off of the job's next restart.
 
-    The wrappers only read; they call the original first and return its result.
-    Install once per process, before ``torch.distributed.run.run``.
+    The wrappers call the originals and return their results. Install once per
+    process, before ``torch.distributed.run.run``.
     """
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     original_rendezvous: Callable[..., None] = LocalElasticAgent._rendezvous
     original_monitor: Callable[..., Any] = LocalElasticAgent._monitor_workers
+    original_restart: Callable[..., None] = LocalElasticAgent._restart_workers
     if getattr(original_monitor, _HOOK_MARK, False):
         raise RuntimeError("event hooks are already installed in this process")
 
-    emit = events.emit  # logs and drops a failed write itself
+    emit = supervision.events.emit  # logs and drops a failed write itself
 
     @functools.wraps(original_rendezvous)
     def _rendezvous(self: Any, worker_group: Any) -> None:
         original_rendezvous(self, worker_group)
-        world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+        workers = worker_group.workers
+        world_size = workers[0].world_size if workers else 0
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
+        supervision.clear_progress([w.local_rank for w in workers])
         logger.info(
             "%s rendezvous: group_rank=%s group_world_size=%s world_size=%s restart_count=%s",
             _CTX,
@@ -121,23 +269,37 @@ def install_event_hooks(events: EventWriter) -> None:
     def _monitor_workers(self: Any, worker_group: Any) -> Any:
         result = original_monitor(self, worker_group)
         if result.state == WorkerState.FAILED:
-            by_time = sorted(result.failures.items(), key=lambda item: item[1].timestamp)
-            for global_rank, failure in by_time:
-                emit(
-                    EventKind.WORKER_FAILED,
-                    local_rank=failure.local_rank,
-                    global_rank=global_rank,
-                    exitcode=failure.exitcode,
-                    message=failure_message(failure),
-                )
+            if supervision.on_failed(result.failures):
+                self._remaining_restarts = 0
+            else:
+                supervision.back_off_next_restart = True
+        elif result.state == WorkerState.HEALTHY:
+            hung = supervision.find_hung(worker_group.workers)
+            if hung:
+                supervision.end_hung(worker_group.workers, hung)
         return result
+
+    @functools.wraps(original_restart)
+    def _restart_workers(self: Any, worker_group: Any) -> None:
+        if supervision.back_off_next_restart:
+            supervision.back_off_next_restart = False
+            local = worker_group.spec.max_restarts - self._remaining_restarts
+            number = supervision.policy.restarts_before + local
+            delay = supervision.policy.delay_s(number)
+            if delay > 0:
+                logger.info("%s restart %d of the job: backing off %.1f s", _CTX, number, delay)
+                time.sleep(delay)
+        original_restart(self, worker_group)
 
     setattr(_monitor_workers, _HOOK_MARK, True)
     LocalElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]
     LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+    LocalElasticAgent._restart_workers = _restart_workers  # type: ignore[method-assign]
 
 
-def run_torchrun(torchrun_args: Sequence[str]) -> tuple[str, int, str]:
+def run_torchrun(
+    torchrun_args: Sequence[str], supervision: Supervision | None = None
+) -> tuple[str, int, str]:
     """Run torch's elastic launcher in this process; return (outcome, exit code, message)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -158,6 +320,8 @@ def run_torchrun(torchrun_args: Sequence[str]) -> tuple[str, int, str]:
     try:
         run(args)
     except ChildFailedError as exc:
+        if supervision is not None and supervision.fatal is not None:
+            return "failed", 1, f"fatal: {supervision.fatal}"
         global_rank, failure = exc.get_first_failure()
         message = (
             f"local_rank {failure.local_rank} (rank {global_rank}) failed: "
@@ -175,6 +339,14 @@ def run_torchrun(torchrun_args: Sequence[str]) -> tuple[str, int, str]:
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m worker.launch")
     parser.add_argument("--events-file", required=True)
+    parser.add_argument(
+        "--restart-policy",
+        type=RestartPolicy.model_validate_json,
+        default=RestartPolicy(),
+        help="protocol.RestartPolicy as JSON",
+    )
+    parser.add_argument("--hang-timeout-s", type=float, default=None)
+    parser.add_argument("--progress-dir", type=Path, default=None)
     parser.add_argument(
         "--parent-pid",
         type=int,
@@ -199,11 +371,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     events = EventWriter(ns.events_file)
-    install_event_hooks(events)
+    supervision = Supervision(
+        events=events,
+        policy=ns.restart_policy,
+        hang_timeout_s=ns.hang_timeout_s,
+        progress_dir=ns.progress_dir,
+    )
+    install_event_hooks(supervision)
     try:
-        outcome, exitcode, message = run_torchrun(torchrun_args)
+        outcome, exitcode, message = run_torchrun(torchrun_args, supervision)
         events.emit(
-            EventKind.LAUNCHER_EXIT, outcome=outcome, exitcode=exitcode, message=bounded(message)
+            EventKind.LAUNCHER_EXIT,
+            outcome=outcome,
+            exitcode=exitcode,
+            message=bounded(message),
+            fatal=supervision.fatal is not None,
         )
         logger.info("%s launcher exit: %s (%s) %s", _CTX, outcome, exitcode, message)
     finally:

@@ -27,6 +27,10 @@ SNAPSHOT_DIR_ENV = "RELAUNCH_SNAPSHOT_DIR"
 SNAPSHOT_EVERY_STEPS_ENV = "RELAUNCH_SNAPSHOT_EVERY_STEPS"
 SNAPSHOT_EVERY_EPOCHS_ENV = "RELAUNCH_SNAPSHOT_EVERY_EPOCHS"
 EVENTS_FILE_ENV = "RELAUNCH_EVENTS_FILE"
+# Each worker touches ``<dir>/local-<LOCAL_RANK>`` as it makes progress (hang detection).
+PROGRESS_DIR_ENV = "RELAUNCH_PROGRESS_DIR"
+# host:port of the controller's store; rank 0 takes the snapshot-writer token there.
+STORE_ENDPOINT_ENV = "RELAUNCH_STORE_ENDPOINT"
 
 
 class EventKind(StrEnum):
@@ -34,8 +38,12 @@ class EventKind(StrEnum):
 
     From the launcher (any node):
       RENDEZVOUS      world_size, group_rank, group_world_size, restart_count
-      WORKER_FAILED   local_rank, global_rank, exitcode, message
-      LAUNCHER_EXIT   outcome ("succeeded" | "failed"), exitcode, message
+      WORKER_FAILED   local_rank, global_rank, exitcode, message, cause, fatal
+                      (cause: "crash" | "hang" | "fatal_exit_code" | "startup_error" |
+                      "peer_lost";
+                      fatal: true when the job must fail without a restart)
+      HANG            local_rank, global_rank, idle_s, timeout_s
+      LAUNCHER_EXIT   outcome ("succeeded" | "failed"), exitcode, message, fatal
     From the training runtime (rank 0 only):
       STARTED         world_size, restart_count, resumed_from_step (int | None), total_steps
       PROGRESS        step, epoch, loss, samples_per_s, world_size
@@ -46,6 +54,7 @@ class EventKind(StrEnum):
     RENDEZVOUS = "rendezvous"
     WORKER_FAILED = "worker_failed"
     LAUNCHER_EXIT = "launcher_exit"
+    HANG = "hang"
     STARTED = "started"
     PROGRESS = "progress"
     SNAPSHOT = "snapshot"
@@ -89,6 +98,27 @@ class RendezvousConfig(BaseModel):
     keep_alive_max_attempt: int = 3
 
 
+class RestartPolicy(BaseModel):
+    """How the launcher restarts failed workers; the job's budget itself is kept by the
+    controller, ``max_restarts`` here only bounds a launcher cut off from it."""
+
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    fatal_exit_codes: list[int] = Field(default_factory=list)
+    restarts_before: int = 0  # the job's restart count when this attempt was assigned
+
+    def delay_s(self, restart_number: int) -> float:
+        """Seconds to wait before the job's ``restart_number``-th restart (1-based).
+
+        The first restart is immediate; each one after waits twice as long as
+        the one before, from ``backoff_s`` up to ``backoff_max_s``.
+        """
+        if restart_number <= 1 or self.backoff_s <= 0:
+            return 0.0
+        return float(min(self.backoff_max_s, self.backoff_s * 2.0 ** min(restart_number - 2, 30)))
+
+
 class Assignment(BaseModel):
     """One attempt of a job that this node must take part in."""
 
@@ -97,7 +127,8 @@ class Assignment(BaseModel):
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
-    max_restarts: int
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    hang_timeout_s: float | None = None
     rendezvous: RendezvousConfig
     entrypoint: Entrypoint
     env: dict[str, str] = Field(default_factory=dict)
@@ -132,12 +163,14 @@ class AttemptExit(BaseModel):
 
     ``stopped``: the agent ended it because the controller no longer wants it;
     ``clean`` then says that no process of the attempt is left on the node.
+    ``fatal``: the launcher gave up on an error that a restart cannot fix.
     """
 
     outcome: Literal["succeeded", "failed", "stopped"]
     exit_code: int | None = None
     message: str = ""
     clean: bool = True
+    fatal: bool = False
 
 
 class AttemptReport(BaseModel):

@@ -29,7 +29,7 @@ def _assignment(**overrides: object) -> Assignment:
         "min_nodes": 1,
         "max_nodes": 4,
         "nproc_per_node": 2,
-        "max_restarts": 5,
+        "restart": {"max_restarts": 5},
         "rendezvous": RendezvousConfig(
             endpoint="10.0.0.1:29400",
             rdzv_id="job-3-attempt-12",
@@ -62,7 +62,7 @@ def test_torchrun_args_for_a_module() -> None:
         "--local-addr", "10.0.0.7",
         "--tee", "3",
         "--log-dir", "/w/logs",
-        "-m", "pkg.train", "--epochs", "3",
+        "-m", "worker.bootstrap", "-m", "pkg.train", "--epochs", "3",
     ]  # fmt: skip
 
 
@@ -71,16 +71,15 @@ def test_torchrun_args_accepted_by_torchrun_parser() -> None:
 
     args = build_torchrun_args(_assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"))
     ns = parse_args(args)
-    assert ns.module and ns.training_script == "pkg.train"
-    assert ns.training_script_args == ["--epochs", "3"]
+    assert ns.module and ns.training_script == "worker.bootstrap"
+    assert ns.training_script_args == ["-m", "pkg.train", "--epochs", "3"]
     assert ns.tee == "3" and ns.nnodes == "1:4" and ns.max_restarts == 5
 
 
 def test_torchrun_args_for_a_script() -> None:
     entry = Entrypoint(script="/code/train.py", args=["-x"])
     args = build_torchrun_args(_assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"))
-    assert args[-2:] == ["/code/train.py", "-x"]
-    assert "-m" not in args
+    assert args[-4:] == ["-m", "worker.bootstrap", "/code/train.py", "-x"]
 
 
 @pytest.mark.parametrize(
@@ -114,6 +113,8 @@ def test_launcher_env(tmp_path: Path) -> None:
     assert env["RELAUNCH_EVENTS_FILE"] == str(tmp_path / "ev.jsonl")
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "4"
+    assert env["RELAUNCH_STORE_ENDPOINT"] == "10.0.0.1:29400"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"  # the interface of the agent's 127.0.0.1
     assert env["PYTHONUNBUFFERED"] == "1"
 
 

@@ -75,7 +75,9 @@ def test_a_worker_failure_is_restarted_and_recorded(tmp_path: Path) -> None:
     assert {"local_rank": 1, "global_rank": 1, "exitcode": 3} in [
         {k: f[k] for k in ("local_rank", "global_rank", "exitcode")} for f in failed
     ]
-    assert _of("launcher_exit", events) == [{"outcome": "succeeded", "exitcode": 0, "message": ""}]
+    assert _of("launcher_exit", events) == [
+        {"outcome": "succeeded", "exitcode": 0, "message": "", "fatal": False}
+    ]
     assert events[-1]["kind"] == "launcher_exit"
 
 

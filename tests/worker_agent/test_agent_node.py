@@ -236,7 +236,10 @@ def test_a_restarted_agent_kills_what_its_previous_life_left(
     cleanup.append(first)
     with fake.lock:
         fake.assignments[4] = _assignment(4, long, store_endpoint, nproc=1)
-    wait_for("attempt 4 output", lambda: any(r.logs for r in fake.of(4)))
+    wait_for(
+        "attempt 4's worker output",
+        lambda: any("tick" in line.line for r in fake.of(4) for line in r.logs),
+    )
     wait_for("attempt 4 in the ledger", lambda: '"4"' in _ledger_text(tmp_path))
     launcher = wait_for(
         "the launcher",
@@ -299,7 +302,7 @@ def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) 
     wait_for("attempt 2 output", lambda: ticking(2))
     wait_for("attempt 3 output", lambda: ticking(3))
     # launcher + workers + their new-session grandchildren
-    assert len(_processes_of(2)) >= 5
+    wait_for("the whole tree of attempt 2", lambda: len(_processes_of(2)) >= 5, 20)
 
     def heartbeat_counts_the_tree() -> bool:
         with fake.lock:

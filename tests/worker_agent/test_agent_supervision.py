@@ -1,0 +1,162 @@
+"""The launcher's own decisions: failure causes, fatal errors, hangs; and the bootstrap."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.launch import Supervision
+from worker.protocol import EventKind, RestartPolicy
+from worker.runtime.events import EventWriter
+from worker.runtime.progress import progress_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Failure:
+    """The parts of torch's ProcessFailure that the launcher reads."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    message: Any
+    error_file: str = "/tmp/error.json"
+    timestamp: int = 0
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    global_rank: int
+    id: int
+
+
+def _raised(message: str) -> Failure:
+    """A worker that exited 1 after ``@record`` wrote ``message`` to its error file."""
+    return Failure(0, 10, 1, {"message": message})
+
+
+def _supervision(tmp_path: Path, **kwargs: Any) -> tuple[Supervision, Path]:
+    events = tmp_path / "events.jsonl"
+    return Supervision(events=EventWriter(events), **kwargs), events
+
+
+def _emitted(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("failure", "cause", "fatal"),
+    [
+        (_raised("RuntimeError: loss is nan"), "crash", False),
+        (Failure(0, 10, 42, "<N/A>", error_file="<N/A>"), "fatal_exit_code", True),
+        (_raised("ModuleNotFoundError: No module named 'x'"), "startup_error", True),
+        (_raised("SyntaxError: invalid syntax (t.py, line 1)"), "startup_error", True),
+        (_raised("EntrypointNotFound: script '/a.py' does not exist"), "startup_error", True),
+        (Failure(0, 10, -9, "<N/A>", error_file="<N/A>"), "crash", False),
+        (_raised("RuntimeError: [gloo/pair.cc:537] Read error: Connection reset by peer."),
+         "peer_lost", False),
+    ],
+)  # fmt: skip
+def test_failures_are_classified(tmp_path: Path, failure: Failure, cause: str, fatal: bool) -> None:
+    supervision, _ = _supervision(tmp_path, policy=RestartPolicy(fatal_exit_codes=[42]))
+    assert supervision.classify(failure) == (cause, fatal)
+
+
+def test_a_fatal_failure_is_recorded_with_its_reason(tmp_path: Path) -> None:
+    supervision, path = _supervision(tmp_path)
+    failures = {
+        1: Failure(1, 11, -15, "<N/A>", error_file="<N/A>", timestamp=2),
+        0: Failure(0, 10, 1, {"message": "ImportError: cannot import name 'y'"}, timestamp=1),
+    }
+    assert supervision.on_failed(failures) is True
+    assert supervision.fatal is not None and "startup error on rank 0" in supervision.fatal
+    supervision.events.close()
+    emitted = [e["data"] for e in _emitted(path) if e["kind"] == EventKind.WORKER_FAILED]
+    assert [(e["global_rank"], e["cause"], e["fatal"]) for e in emitted] == [
+        (0, "startup_error", True),  # the first by time comes first
+        (1, "crash", False),
+    ]
+
+
+def test_a_worker_that_stops_beating_is_dumped_then_killed(tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    hung = subprocess.Popen(
+        [sys.executable, "-c", "import faulthandler, signal, time\n"
+         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+         "print('ready', flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert hung.stdout is not None and hung.stdout.readline() == "ready\n"
+    busy = Worker(local_rank=1, global_rank=3, id=os.getpid())  # must not be signalled
+    stuck = Worker(local_rank=0, global_rank=2, id=hung.pid)
+    clock = [1000.0]
+    supervision, path = _supervision(
+        tmp_path, hang_timeout_s=5, progress_dir=progress, clock=lambda: clock[0]
+    )
+    assert supervision.find_hung([stuck, busy]) == []  # neither has beaten yet
+    for worker, at in ((stuck, 996.0), (busy, 999.0)):
+        progress_file(progress, worker.local_rank).touch()
+        os.utime(progress_file(progress, worker.local_rank), (at, at))
+    assert supervision.find_hung([stuck, busy]) == []  # 4 s idle is not yet a hang
+    clock[0] = 1001.5
+    found = supervision.find_hung([stuck, busy])
+    assert [w for w, _ in found] == [stuck]
+
+    supervision.end_hung([stuck], found)
+    _, stderr = hung.communicate(timeout=10)
+    assert hung.returncode == -9
+    assert "most recent call first" in stderr  # faulthandler's dump
+    assert hung.pid in supervision.hung_pids
+    failure = Failure(0, hung.pid, -9, "<N/A>", error_file="<N/A>")
+    assert supervision.classify(failure) == ("hang", False)
+    supervision.events.close()
+    (hang,) = [e["data"] for e in _emitted(path) if e["kind"] == EventKind.HANG]
+    assert hang["global_rank"] == 2 and hang["idle_s"] == 5.5
+
+
+def test_restart_back_off_doubles_up_to_the_cap() -> None:
+    policy = RestartPolicy(backoff_s=1.5, backoff_max_s=5)
+    assert [policy.delay_s(n) for n in range(1, 6)] == [0, 1.5, 3, 5, 5]
+    assert RestartPolicy(backoff_s=0).delay_s(4) == 0
+
+
+def _bootstrap(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file), "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "worker.bootstrap", *args],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_bootstrap_runs_a_script_as_python_would(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper.py").write_text("VALUE = 'from beside the script'\n")
+    script = tmp_path / "sub" / "main.py"
+    script.write_text(
+        "import sys, helper\n"
+        "if __name__ == '__main__':\n"
+        "    print(sys.argv, helper.VALUE, __file__)\n"
+        "    sys.exit(7)\n"
+    )
+    run = _bootstrap(tmp_path, str(script), "--lr", "0.1")
+    assert run.returncode == 7, run.stderr
+    assert f"[{str(script)!r}, '--lr', '0.1'] from beside the script {script}" in run.stdout
+
+
+def test_the_bootstrap_records_a_startup_error(tmp_path: Path) -> None:
+    run = _bootstrap(tmp_path, "-m", "no_such_package_here")
+    assert run.returncode == 1
+    text = (tmp_path / "error.json").read_text()
+    assert "EntrypointNotFound" in text and "no_such_package_here" in text

@@ -1,0 +1,69 @@
+"""What each worker process runs first: the job's program, the way ``python`` would.
+
+Usage (the node agent builds it; torchrun starts one per local rank)::
+
+    python -m worker.bootstrap SCRIPT [ARGS...]
+    python -m worker.bootstrap -m MODULE [ARGS...]
+
+The program runs unchanged: as ``__main__``, with ``sys.argv`` and (for a
+script) ``sys.path[0]`` as ``python SCRIPT`` / ``python -m MODULE`` set them. The
+bootstrap adds two things around it:
+
+- torch's ``@record``: an uncaught exception is written to the worker's error
+  file, so the launcher learns its type (a start-up error such as an
+  ``ImportError`` fails the job at once instead of restarting it);
+- ``faulthandler`` on SIGUSR1: the launcher sends it to take a stack dump of
+  every thread of a hung worker, into the worker's stderr (the job's logs).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+from collections.abc import Sequence
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+class EntrypointNotFound(ImportError):
+    """The script or module to run does not exist on this node."""
+
+
+def run_program(argv: Sequence[str]) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as ``__main__``."""
+    if not argv:
+        raise SystemExit("usage: python -m worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]")
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise SystemExit("-m needs a module name")
+        module = argv[1]
+        sys.argv = [module, *argv[2:]]
+        try:
+            spec_found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            spec_found = False
+        if not spec_found:
+            raise EntrypointNotFound(f"no module named {module!r} on this node")
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    if not os.path.isfile(script):
+        raise EntrypointNotFound(f"script {script!r} does not exist on this node")
+    sys.argv = [script, *argv[1:]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(run_program)(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
