@@ -10,7 +10,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.errors import StaleState
-from service.jobs import add_event
+from service.jobs import add_event, count_membership_change
 from service.models import Attempt, AttemptMember, Job, Node
 from service.schemas import JobSpec
 from service.settings import ControllerSettings
@@ -134,16 +134,20 @@ def end_attempt(
 
 
 def drop_member(session: Session, member: AttemptMember, now: datetime, why: str) -> None:
+    """End a node's part in a running attempt; the others re-form without it."""
     if end_member(session, member, MemberState.LEFT, now):
         attempt = member.attempt
+        changes = count_membership_change(session, attempt.job_id)
         add_event(
             session,
             attempt.job_id,
             "node_left",
-            f"node {member.node.name} left attempt {attempt.number}: {why}",
+            f"node {member.node.name} left attempt {attempt.number}: {why}; the workers re-form "
+            f"at the smaller world size (membership change {changes}, not counted as a restart)",
             now,
             attempt_id=attempt.id,
             node_id=member.node_id,
+            data={"cause": "node_left"},
         )
 
 
@@ -163,7 +167,8 @@ def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> 
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
-        max_restarts=spec.max_restarts,
+        restart=spec.restart_policy(restarts_before=job.restart_count),
+        hang_timeout_s=spec.hang_timeout_s,
         rendezvous=RendezvousConfig(
             endpoint=attempt.rdzv_endpoint,
             rdzv_id=attempt.rdzv_id,

@@ -31,6 +31,7 @@ UrlOption = Annotated[
 DEFAULT_URL = "http://127.0.0.1:8080"
 STATE_COLOURS = {
     "PENDING": "yellow",
+    "WAITING": "yellow",
     "RUNNING": "green",
     "RESTARTING": "magenta",
     "SUCCEEDED": "bold green",
@@ -246,6 +247,7 @@ def status(
         f"job [bold]{job['id']}[/] {job['name']}: {_state_text(job['state'])}  "
         f"step {job['last_step'] or 0}/{job['total_steps'] or '?'}  "
         f"world size {job['world_size'] or '-'}  restarts {job['restart_count']}"
+        f"/{job['spec']['max_restarts']}  membership changes {job['membership_changes']}"
     )
     if job["message"]:
         console.print(f"message: {job['message']}")

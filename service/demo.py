@@ -68,10 +68,11 @@ class LocalCluster:
     store_port: int
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path | None = None
+    host: str = "127.0.0.1"  # where nodes reach the controller and its store
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def snapshot_dir(self, job_id: int) -> Path:
         return self.data_dir / "snapshots" / f"job-{job_id}"
@@ -82,11 +83,13 @@ class LocalCluster:
     def job_workers(self, job_id: int) -> list[psutil.Process]:
         return job_worker_processes(self.snapshot_dir(job_id))
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str], prefix: list[str] | None = None
+    ) -> None:
         log_dir = self.log_dir or self.data_dir
         log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", *args],
+            [*(prefix or []), sys.executable, "-m", "service.cli", *args],
             env={**os.environ, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -96,7 +99,9 @@ class LocalCluster:
     def start_controller(self, extra_env: dict[str, str] | None = None) -> None:
         env = {
             "RELAUNCH_DATA_DIR": str(self.data_dir),
+            "RELAUNCH_HOST": self.host,
             "RELAUNCH_PORT": str(self.port),
+            "RELAUNCH_STORE_HOST": self.host,
             "RELAUNCH_STORE_PORT": str(self.store_port),
             **(extra_env or {}),
         }
@@ -118,14 +123,16 @@ class LocalCluster:
                         raise RuntimeError("the controller did not become healthy") from exc
                     time.sleep(0.2)
 
-    def start_agent(self, name: str) -> None:
+    def start_agent(
+        self, name: str, address: str | None = None, prefix: list[str] | None = None
+    ) -> None:
+        """Start node agent ``name``; ``prefix`` wraps its command (``ip netns exec NS``)."""
         work = self.data_dir / "agents" / name
         work.mkdir(parents=True, exist_ok=True)
-        self._spawn(
-            name,
-            ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)],
-            {},
-        )
+        args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
+        if address is not None:
+            args += ["--address", address]
+        self._spawn(name, args, {}, prefix)
 
     def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -144,6 +151,34 @@ class LocalCluster:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+    def node_processes(self, name: str) -> list[psutil.Process]:
+        """The agent of node ``name`` and every process under it (launchers, workers)."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return []
+        try:
+            agent = psutil.Process(proc.pid)
+            return [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal_node(self, name: str, sig: int) -> list[psutil.Process]:
+        """Send ``sig`` to every process of node ``name`` at once; return them."""
+        found = self.node_processes(name)
+        for proc in found:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL every process of node ``name``, as if the host died."""
+        self.signal_node(name, signal.SIGKILL)
+        proc = self.procs.pop(name, None)
+        if proc is not None:
             proc.wait()
 
     def stop_all(self) -> None:

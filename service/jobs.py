@@ -29,6 +29,7 @@ def submit_job(session: Session, spec: JobSpec, now: datetime) -> Job:
         updated_at=now,
         attempt_count=0,
         restart_count=0,
+        membership_changes=0,
         message="",
     )
     session.add(job)
@@ -88,6 +89,22 @@ def change_job_state(
     for key, value in values.items():
         setattr(job, key, value)
     logger.info("job=%s state %s -> %s", job.id, old, new)
+
+
+def count_membership_change(session: Session, job_id: int) -> int:
+    """Add one to the job's membership changes atomically; return the new count."""
+    count = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(membership_changes=Job.membership_changes + 1)
+        .returning(Job.membership_changes)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    job = session.get(Job, job_id)
+    if job is not None:
+        job.membership_changes = count
+        session.flush()
+    return int(count)
 
 
 def cancel_job(session: Session, job_id: int, now: datetime) -> Job:

@@ -67,6 +67,10 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     attempt_count: Mapped[int] = mapped_column(Integer, default=0)
     restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    membership_changes: Mapped[int] = mapped_column(Integer, default=0)
+    waiting_since: Mapped[datetime | None]
+    # A WAITING job is not placed again before this (restart back-off).
+    not_before: Mapped[datetime | None]
     last_step: Mapped[int | None] = mapped_column(Integer)
     total_steps: Mapped[int | None] = mapped_column(Integer)
     last_loss: Mapped[float | None] = mapped_column(Float)

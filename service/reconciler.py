@@ -27,7 +27,7 @@ from service.attempts import (
 )
 from service.db import transaction
 from service.errors import StaleState
-from service.jobs import add_event, change_job_state, get_job
+from service.jobs import add_event, change_job_state, count_membership_change, get_job
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
 from service.schemas import JobSpec
@@ -55,6 +55,10 @@ class JobView:
     nproc_per_node: int
     attempt_id: int | None = None
     members: tuple[int, ...] = ()
+    former_members: tuple[int, ...] = ()  # left the running attempt; never re-added to it
+    waiting_since: datetime | None = None
+    not_before: datetime | None = None
+    wait_for_nodes: timedelta = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,22 @@ class AddMembers:
 
 
 @dataclass(frozen=True)
-class RequeueJob:
-    """Every node of the running attempt is gone: wait for nodes, resume from the snapshot."""
+class WaitForNodes:
+    """Fewer than MIN nodes of the running attempt are left: end it, wait, resume later."""
 
     job_id: int
     attempt_id: int
 
 
-Action = MarkNodeLost | PlaceJob | AddMembers | RequeueJob
+@dataclass(frozen=True)
+class GiveUpWaiting:
+    """A WAITING job found no MIN nodes before its deadline."""
+
+    job_id: int
+    waiting_since: datetime
+
+
+Action = MarkNodeLost | PlaceJob | AddMembers | WaitForNodes | GiveUpWaiting
 
 
 def plan(
@@ -95,10 +107,14 @@ def plan(
     - A live node silent for longer than ``node_timeout`` is lost; its
       memberships end (the elastic agents of the other nodes carry on at the
       smaller world size).
-    - An active job none of whose members is left goes back to PENDING.
-    - PENDING jobs, oldest first, are placed once at least MIN fitting nodes
-      are free; they get up to MAX.
-    - Then running jobs below MAX take free fitting nodes (scale up).
+    - An active job with fewer than MIN members left stops its attempt and
+      WAITs; a WAITING job whose ``wait_for_nodes`` has run out fails.
+    - PENDING and WAITING jobs, oldest first, are placed once at least MIN
+      fitting nodes are free (a WAITING job not before its back-off ends);
+      they get up to MAX.
+    - Then running jobs below MAX take free fitting nodes (scale up), but not
+      a node that already left that attempt: its agent has fenced the attempt
+      and will not run it again; it serves the job's next attempt instead.
     """
     actions: list[Action] = []
     lost = {
@@ -116,16 +132,23 @@ def plan(
         if not job.state.is_active() or job.attempt_id is None:
             continue
         remaining = [m for m in job.members if m in alive_ids]
-        if not remaining:
-            actions.append(RequeueJob(job.id, job.attempt_id))
+        if len(remaining) < job.min_nodes:
+            actions.append(WaitForNodes(job.id, job.attempt_id))
             continue
         busy.update(remaining)
         running.append((job, remaining))
 
     free = [n for n in sorted(alive, key=lambda n: n.id) if n.id not in busy]
-    pending = sorted(
-        (j for j in jobs if j.state is JobState.PENDING), key=lambda j: (j.created_at, j.id)
-    )
+    pending: list[JobView] = []
+    for job in sorted(jobs, key=lambda j: (j.created_at, j.id)):
+        if job.state is JobState.WAITING and job.waiting_since is not None:
+            if now - job.waiting_since > job.wait_for_nodes:
+                actions.append(GiveUpWaiting(job.id, job.waiting_since))
+                continue
+            if job.not_before is not None and now < job.not_before:
+                continue
+        if job.state.is_placeable():
+            pending.append(job)
     for job in pending:
         fitting = [n.id for n in free if n.slots >= job.nproc_per_node]
         if len(fitting) >= job.min_nodes:
@@ -134,7 +157,9 @@ def plan(
             free = [n for n in free if n.id not in chosen]
     for job, remaining in running:
         room = job.max_nodes - len(remaining)
-        fitting = [n.id for n in free if n.slots >= job.nproc_per_node]
+        fitting = [
+            n.id for n in free if n.slots >= job.nproc_per_node and n.id not in job.former_members
+        ]
         if room > 0 and fitting and job.attempt_id is not None:
             chosen = tuple(fitting[:room])
             actions.append(AddMembers(job.id, job.attempt_id, chosen))
@@ -146,14 +171,16 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
     nodes = [
         NodeView(n.id, n.state, n.last_heartbeat_at, n.slots) for n in session.scalars(select(Node))
     ]
-    open_states = (JobState.PENDING, JobState.RUNNING, JobState.RESTARTING)
+    open_states = [s for s in JobState if not s.is_terminal()]
     jobs: list[JobView] = []
     for job in session.scalars(select(Job).where(Job.state.in_(open_states))):
         spec = JobSpec.model_validate(job.spec)
         attempt = running_attempt(session, job.id)
         members: tuple[int, ...] = ()
+        former: tuple[int, ...] = ()
         if attempt is not None:
             members = tuple(m.node_id for m in active_members(session, attempt.id))
+            former = tuple({m.node_id for m in attempt.members} - set(members))
         jobs.append(
             JobView(
                 id=job.id,
@@ -164,6 +191,10 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
                 nproc_per_node=spec.nproc_per_node,
                 attempt_id=attempt.id if attempt else None,
                 members=members,
+                former_members=former,
+                waiting_since=job.waiting_since,
+                not_before=job.not_before,
+                wait_for_nodes=timedelta(seconds=spec.wait_for_nodes_s),
             )
         )
     return nodes, jobs
@@ -208,8 +239,10 @@ class Reconciler:
             self._place(session, action, now)
         elif isinstance(action, AddMembers):
             self._add_members(session, action, now)
-        elif isinstance(action, RequeueJob):
-            self._requeue(session, action, now)
+        elif isinstance(action, WaitForNodes):
+            self._wait_for_nodes(session, action, now)
+        elif isinstance(action, GiveUpWaiting):
+            self._give_up_waiting(session, action, now)
 
     def _free_nodes(self, session: Session, node_ids: Sequence[int]) -> list[Node]:
         """The named nodes, locked, if every one is alive and in no running attempt."""
@@ -232,17 +265,21 @@ class Reconciler:
 
     def _place(self, session: Session, action: PlaceJob, now: datetime) -> None:
         job = get_job(session, action.job_id, for_update=True)
-        if job.state is not JobState.PENDING:
-            raise StaleState(f"job {job.id} is {job.state}, not PENDING")
+        if not job.state.is_placeable():
+            raise StaleState(f"job {job.id} is {job.state}, not waiting to be placed")
+        if job.not_before is not None and now < job.not_before:
+            raise StaleState(f"job {job.id} backs off until {job.not_before}")
         nodes = self._free_nodes(session, action.node_ids)
+        resumes = " and resumes from its newest snapshot" if job.attempt_count else ""
         change_job_state(session, job, JobState.RUNNING, now, message="")
+        job.waiting_since = job.not_before = None
         attempt = create_attempt(session, job, nodes, self._settings, now)
         add_event(
             session,
             job.id,
             "placed",
             f"attempt {attempt.number} placed on {', '.join(n.name for n in nodes)} "
-            f"(rendezvous id {attempt.rdzv_id})",
+            f"(rendezvous id {attempt.rdzv_id}){resumes}",
             now,
             attempt_id=attempt.id,
             data={"nodes": [n.name for n in nodes]},
@@ -256,35 +293,54 @@ class Reconciler:
         nodes = self._free_nodes(session, action.node_ids)
         for node in nodes:
             add_member(session, attempt, node, now)
+            changes = count_membership_change(session, job.id)
             add_event(
                 session,
                 job.id,
                 "node_joined",
                 f"node {node.name} joins attempt {attempt.number}; the workers re-form "
-                "at the larger world size",
+                f"at the larger world size (membership change {changes}, "
+                "not counted as a restart)",
                 now,
                 attempt_id=attempt.id,
                 node_id=node.id,
+                data={"cause": "node_joined"},
             )
 
-    def _requeue(self, session: Session, action: RequeueJob, now: datetime) -> None:
+    def _wait_for_nodes(self, session: Session, action: WaitForNodes, now: datetime) -> None:
         job = get_job(session, action.job_id, for_update=True)
         attempt = session.get(Attempt, action.attempt_id)
         if attempt is None or attempt.state is not AttemptState.RUNNING:
             raise StaleState(f"attempt {action.attempt_id} is no longer running")
-        if any(m.node.state is NodeState.ALIVE for m in active_members(session, attempt.id)):
-            raise StaleState(f"attempt {attempt.id} has a live member again")
-        end_attempt(session, attempt, AttemptState.STOPPED, now, "every node was lost")
-        change_job_state(session, job, JobState.PENDING, now, message="waiting for nodes")
+        spec = JobSpec.model_validate(job.spec)
+        live = [m for m in active_members(session, attempt.id) if m.node.state is NodeState.ALIVE]
+        if len(live) >= spec.min_nodes:
+            raise StaleState(f"attempt {attempt.id} has MIN live members again")
+        end_attempt(
+            session, attempt, AttemptState.STOPPED, now, f"fewer than {spec.min_nodes} nodes left"
+        )
+        change_job_state(session, job, JobState.WAITING, now, message="waiting for nodes")
+        job.waiting_since, job.not_before = now, None
         add_event(
             session,
             job.id,
             "waiting_for_nodes",
-            f"every node of attempt {attempt.number} was lost; the job waits for nodes "
-            "and resumes from its newest snapshot",
+            f"{len(live)} node(s) of attempt {attempt.number} left, fewer than MIN "
+            f"{spec.min_nodes}; the job waits up to {spec.wait_for_nodes_s:g} s for nodes and "
+            "resumes from its newest snapshot (not counted as a restart)",
             now,
             attempt_id=attempt.id,
+            data={"cause": "below_min", "deadline_s": spec.wait_for_nodes_s},
         )
+
+    def _give_up_waiting(self, session: Session, action: GiveUpWaiting, now: datetime) -> None:
+        job = get_job(session, action.job_id, for_update=True)
+        if job.state is not JobState.WAITING or job.waiting_since != action.waiting_since:
+            raise StaleState(f"job {job.id} is no longer waiting since {action.waiting_since}")
+        spec = JobSpec.model_validate(job.spec)
+        why = f"fewer than {spec.min_nodes} nodes for {spec.wait_for_nodes_s:g} s"
+        change_job_state(session, job, JobState.FAILED, now, message=why)
+        add_event(session, job.id, "failed", f"job failed: {why}", now)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)

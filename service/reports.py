@@ -9,7 +9,7 @@ recorded, so the timeline says its processes are gone.
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -19,6 +19,7 @@ from service.errors import Fenced
 from service.jobs import add_event, change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
 from service.nodes import get_node
+from service.schemas import JobSpec
 from service.states import AttemptState, JobState, MemberState
 from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent
 
@@ -84,26 +85,18 @@ def _apply_event(
         if job.state is JobState.RESTARTING:
             change_job_state(session, job, JobState.RUNNING, now, message="")
     elif kind is EventKind.WORKER_FAILED:
+        _apply_worker_failed(session, job, attempt, node, event, now, ids)
+    elif kind is EventKind.HANG:
         add_event(
             session,
             job.id,
-            "worker_failed",
+            "hang_detected",
             f"worker rank {data.get('global_rank')} (local rank {data.get('local_rank')} on "
-            f"node {node.name}) {_exit_text(data)}",
+            f"node {node.name}) made no progress for {data.get('idle_s')} s (hang_timeout_s "
+            f"{data.get('timeout_s')}); its stack dump is in the logs, the workers restart",
             event.time,
             **ids,
         )
-        if job.state is JobState.RUNNING:
-            job.restart_count += 1
-            change_job_state(session, job, JobState.RESTARTING, now, message="worker failed")
-            add_event(
-                session,
-                job.id,
-                "restarting",
-                f"restarting the workers (restart {job.restart_count} of the job)",
-                event.time,
-                **ids,
-            )
     elif kind is EventKind.STARTED:
         _apply_started(session, job, attempt, event, now, ids)
     elif kind is EventKind.PROGRESS:
@@ -155,6 +148,75 @@ def _apply_event(
         pass  # the exit report carries the outcome
 
 
+def _apply_worker_failed(
+    session: Session,
+    job: Job,
+    attempt: Attempt,
+    node: Node,
+    event: RuntimeEvent,
+    now: datetime,
+    ids: dict[str, Any],
+) -> None:
+    """Count a worker failure against the job's one restart budget, or fail the job.
+
+    Failures that arrive while the job is already RESTARTING belong to the same
+    incident and are not counted again. A worker whose collective broke because
+    a peer went away ("peer_lost") is not counted at all: the peer reports its
+    own failure if it lives, and a peer that died with its node is a membership
+    change.
+    """
+    data = event.data
+    cause = str(data.get("cause") or "crash")
+    add_event(
+        session,
+        job.id,
+        "worker_failed",
+        f"worker rank {data.get('global_rank')} (local rank {data.get('local_rank')} on "
+        f"node {node.name}) {_exit_text(data)} [{cause.replace('_', ' ')}]",
+        event.time,
+        **ids,
+    )
+    if not job.state.is_active():
+        return
+    if data.get("fatal"):
+        _fail_job(session, job, attempt, now, f"{cause.replace('_', ' ')}: {_exit_text(data)}")
+        return
+    if job.state is not JobState.RUNNING or cause == "peer_lost":
+        return
+    spec = JobSpec.model_validate(job.spec)
+    job.restart_count += 1
+    if job.restart_count > spec.max_restarts:
+        _fail_job(
+            session,
+            job,
+            attempt,
+            now,
+            f"restart budget spent: {job.restart_count} worker failures, max_restarts "
+            f"{spec.max_restarts}; the last: {_exit_text(data)}",
+        )
+        return
+    change_job_state(session, job, JobState.RESTARTING, now, message=f"worker failed ({cause})")
+    delay = spec.restart_policy().delay_s(job.restart_count)
+    add_event(
+        session,
+        job.id,
+        "restarting",
+        f"restarting the workers after a {cause.replace('_', ' ')} (restart "
+        f"{job.restart_count} of {spec.max_restarts}"
+        + (f", after {delay:g} s back-off)" if delay else ")"),
+        event.time,
+        **{**ids, "data": {"cause": cause, "restart": job.restart_count, "backoff_s": delay}},
+    )
+
+
+def _fail_job(session: Session, job: Job, attempt: Attempt, now: datetime, why: str) -> None:
+    """End the attempt and the job; the nodes stop the attempt's processes."""
+    if attempt.state is AttemptState.RUNNING:
+        end_attempt(session, attempt, AttemptState.FAILED, now, why[:2000])
+    change_job_state(session, job, JobState.FAILED, now, message=why[:2000])
+    add_event(session, job.id, "failed", f"job failed: {why}", now, attempt_id=attempt.id)
+
+
 def _apply_started(
     session: Session,
     job: Job,
@@ -197,13 +259,39 @@ def _apply_exit(
     elif exit.outcome == "failed":
         why = exit.message or f"launcher exited with code {exit.exit_code}"
         add_event(session, job.id, "node_failed", f"node {node.name} failed: {why}", now, **ids)
-        if attempt.state is AttemptState.RUNNING:
-            end_attempt(session, attempt, AttemptState.FAILED, now, why)
         if job.state.is_active():
-            change_job_state(session, job, JobState.FAILED, now, message=why[:2000])
-            add_event(session, job.id, "failed", f"job failed: {why}", now, **ids)
+            _launcher_failed(session, job, attempt, exit, why, now)
+        elif attempt.state is AttemptState.RUNNING:
+            end_attempt(session, attempt, AttemptState.FAILED, now, why)
     else:
         _record_stopped(session, job.id, node, attempt, exit, now)
+
+
+def _launcher_failed(
+    session: Session, job: Job, attempt: Attempt, exit: AttemptExit, why: str, now: datetime
+) -> None:
+    """A node's launcher gave up. Fatal: the job fails. Otherwise the controller re-forms
+    the job itself (a new attempt, after the back-off), which costs one restart."""
+    spec = JobSpec.model_validate(job.spec)
+    if exit.fatal or job.restart_count + 1 > spec.max_restarts:
+        _fail_job(session, job, attempt, now, why)
+        return
+    end_attempt(session, attempt, AttemptState.FAILED, now, why[:2000])
+    job.restart_count += 1
+    delay = spec.restart_policy().delay_s(job.restart_count)
+    change_job_state(session, job, JobState.WAITING, now, message="relaunching")
+    job.waiting_since, job.not_before = now, now + timedelta(seconds=delay)
+    add_event(
+        session,
+        job.id,
+        "restarting",
+        f"the launcher of attempt {attempt.number} failed; the job is placed again as a new "
+        f"attempt (restart {job.restart_count} of {spec.max_restarts}"
+        + (f", after {delay:g} s back-off)" if delay else ")"),
+        now,
+        attempt_id=attempt.id,
+        data={"cause": "launcher_failed", "restart": job.restart_count, "backoff_s": delay},
+    )
 
 
 def _record_stale_exit(

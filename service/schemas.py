@@ -9,6 +9,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.states import AttemptState, JobState, MemberState, NodeState
+from worker.protocol import RestartPolicy
 from worker.tasks.registry import TASKS, task_args
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -94,7 +95,39 @@ class JobSpec(_Strict):
         max_length=16,
     )
     nproc_per_node: int = Field(default=1, ge=1, le=64)
-    max_restarts: int = Field(default=3, ge=0, le=1000)
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Worker failures the job may restart from, counted for the whole job; "
+        "membership changes (nodes leaving or joining) do not count",
+    )
+    restart_backoff_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=600,
+        description="The first restart is immediate; restart n waits this * 2^(n-2) seconds",
+    )
+    restart_backoff_max_s: float = Field(default=30.0, ge=0, le=3600)
+    fatal_exit_codes: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Worker exit codes that fail the job at once instead of restarting it",
+    )
+    wait_for_nodes_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="How long a job that has fewer than MIN nodes left waits for nodes "
+        "before it fails",
+    )
+    hang_timeout_s: float | None = Field(
+        default=600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="A worker that reported progress and then reports none for this long is "
+        "hung: its stack is dumped into the logs and the workers restart. null turns it off",
+    )
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)
     env: dict[str, str] = Field(default_factory=dict, max_length=64)
 
@@ -108,6 +141,14 @@ class JobSpec(_Strict):
     def _nnodes_range(cls, value: str) -> str:
         parse_nnodes(value)
         return value
+
+    @field_validator("fatal_exit_codes")
+    @classmethod
+    def _exit_codes(cls, codes: list[int]) -> list[int]:
+        for code in codes:
+            if not 1 <= code <= 255:
+                raise ValueError(f"fatal exit code {code} is not an exit status (1 to 255)")
+        return sorted(set(codes))
 
     @field_validator("env")
     @classmethod
@@ -126,6 +167,16 @@ class JobSpec(_Strict):
         if (self.task is None) == (self.script is None):
             raise ValueError("give exactly one of 'task' (a built-in task) and 'script'")
         return self
+
+    def restart_policy(self, restarts_before: int = 0) -> RestartPolicy:
+        """The launcher's restart rules for this job, after ``restarts_before`` restarts."""
+        return RestartPolicy(
+            max_restarts=self.max_restarts,
+            backoff_s=self.restart_backoff_s,
+            backoff_max_s=self.restart_backoff_max_s,
+            fatal_exit_codes=self.fatal_exit_codes,
+            restarts_before=restarts_before,
+        )
 
     @property
     def min_nodes(self) -> int:
@@ -196,6 +247,8 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     attempt_count: int
     restart_count: int
+    membership_changes: int
+    waiting_since: datetime | None
     world_size: int | None
     last_step: int | None
     total_steps: int | None

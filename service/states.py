@@ -19,14 +19,20 @@ class JobState(StrEnum):
     ::
 
         PENDING ──place──▶ RUNNING ──worker failed──▶ RESTARTING
-           ▲                 │  ▲                        │
-           │                 │  └──── rendezvous again ──┘
-           └─ every node lost┘
-        RUNNING / RESTARTING ──▶ SUCCEEDED | FAILED
+                            ▲  │  ▲                        │
+                            │  │  └──── rendezvous again ──┘
+                    place   │  ▼ fewer than MIN nodes left, or the launcher failed
+                            WAITING ──deadline passed──▶ FAILED
+        RUNNING / RESTARTING ──▶ SUCCEEDED | FAILED (fatal error, restart budget spent)
         any non-terminal ──cancel──▶ CANCELLED
+
+    WAITING: the job has run, its attempt ended without a result, and it
+    waits (until ``wait_for_nodes_s`` runs out) to be placed again; it resumes
+    from its newest snapshot.
     """
 
     PENDING = "PENDING"
+    WAITING = "WAITING"
     RUNNING = "RUNNING"
     RESTARTING = "RESTARTING"
     SUCCEEDED = "SUCCEEDED"
@@ -40,15 +46,20 @@ class JobState(StrEnum):
         """Placed on nodes: an attempt of the job is running."""
         return self in (JobState.RUNNING, JobState.RESTARTING)
 
+    def is_placeable(self) -> bool:
+        """Not on nodes, and wants to be."""
+        return self in (JobState.PENDING, JobState.WAITING)
+
 
 _JOB_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.WAITING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
     JobState.RUNNING: frozenset(
         {
             JobState.RESTARTING,
-            JobState.PENDING,
+            JobState.WAITING,
             JobState.SUCCEEDED,
             JobState.FAILED,
             JobState.CANCELLED,
@@ -57,7 +68,7 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.RESTARTING: frozenset(
         {
             JobState.RUNNING,
-            JobState.PENDING,
+            JobState.WAITING,
             JobState.SUCCEEDED,
             JobState.FAILED,
             JobState.CANCELLED,

@@ -50,6 +50,8 @@ def job_public(job: Job) -> JobPublic:
         finished_at=job.finished_at,
         attempt_count=job.attempt_count,
         restart_count=job.restart_count,
+        membership_changes=job.membership_changes,
+        waiting_since=job.waiting_since,
         world_size=job.world_size,
         last_step=job.last_step,
         total_steps=job.total_steps,

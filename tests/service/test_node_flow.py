@@ -28,12 +28,13 @@ def heartbeat(api: TestClient, node_id: int) -> list[dict[str, Any]]:
     return assignments
 
 
-def submit(api: TestClient, nnodes: str = "2:2") -> int:
+def submit(api: TestClient, nnodes: str = "2:2", **extra: Any) -> int:
     spec = {
         "name": "j",
         "task": {"name": "regression", "params": {"epochs": 2}},
         "nnodes": nnodes,
         "snapshot": {"every_steps": 5},
+        **extra,
     }
     r = api.post("/api/v1/jobs", json=spec)
     assert r.status_code == 201, r.text
@@ -175,7 +176,7 @@ def test_reports_drive_the_job_to_success_through_a_restart(
     assert api.get(logs, params={"after_id": line["id"]}).json()["items"] == []
 
 
-def test_a_failed_launcher_fails_the_job(api: TestClient, reconciler: Reconciler) -> None:
+def test_a_fatal_launcher_exit_fails_the_job(api: TestClient, reconciler: Reconciler) -> None:
     a, _ = register(api, "a"), register(api, "b")
     job_id = submit(api)
     reconciler.run_once()
@@ -184,11 +185,12 @@ def test_a_failed_launcher_fails_the_job(api: TestClient, reconciler: Reconciler
         api,
         a,
         attempt_id,
-        exit={"outcome": "failed", "exit_code": 1, "message": "restarts exhausted"},
+        exit={"outcome": "failed", "exit_code": 1, "message": "fatal: startup", "fatal": True},
     )
     d = job(api, job_id)
     assert d["state"] == "FAILED"
-    assert "restarts exhausted" in d["message"]
+    assert "fatal: startup" in d["message"]
+    assert d["restart_count"] == 0
 
 
 def test_reports_from_non_members_and_ended_attempts_are_fenced(
@@ -233,15 +235,17 @@ def test_a_silent_node_is_lost_and_the_job_goes_on_without_it(
     members = {m["node_name"]: m["state"] for m in d["attempts"][0]["members"]}
     assert members == {"a": "ACTIVE", "b": "LEFT"}
     assert "node_left" in kinds(api, job_id)
-    # b comes back: the old attempt is no longer its, and it may join again as a new member
+    # b comes back: the old attempt is no longer its, and it does not rejoin that
+    # attempt (its agent fenced it); it stays free for the next one
     assert heartbeat(api, b) == []
     reconciler.run_once()
-    [assignment] = heartbeat(api, b)
-    assert assignment["attempt_id"] == d["attempts"][0]["id"]
-    assert "node_joined" in kinds(api, job_id)
+    assert heartbeat(api, b) == []
+    assert "node_joined" not in kinds(api, job_id)
+    nodes = {n["name"]: n for n in api.get("/api/v1/nodes").json()["items"]}
+    assert (nodes["b"]["state"], nodes["b"]["job_id"]) == ("ALIVE", None)
 
 
-def test_losing_every_node_requeues_and_a_new_attempt_follows(
+def test_losing_every_node_makes_the_job_wait_and_a_new_attempt_follows(
     api: TestClient, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     register(api, "a")
@@ -251,8 +255,10 @@ def test_losing_every_node_requeues_and_a_new_attempt_follows(
     reconciler.run_once()
     reconciler.run_once()
     d = job(api, job_id)
-    assert d["state"] == "PENDING"
+    assert d["state"] == "WAITING"
+    assert d["waiting_since"] is not None
     assert d["attempts"][0]["state"] == "STOPPED"
+    assert (d["restart_count"], d["membership_changes"]) == (0, 1)
     register(api, "z")
     reconciler.run_once()
     d = job(api, job_id)

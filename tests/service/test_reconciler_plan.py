@@ -6,11 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 from service.reconciler import (
     AddMembers,
+    GiveUpWaiting,
     JobView,
     MarkNodeLost,
     NodeView,
     PlaceJob,
-    RequeueJob,
+    WaitForNodes,
     plan,
 )
 from service.states import JobState, NodeState
@@ -32,6 +33,8 @@ def job(
     members: tuple[int, ...] = (),
     nproc: int = 1,
     created: float = 0.0,
+    waiting_since: float | None = None,
+    not_before: float | None = None,
 ) -> JobView:
     return JobView(
         id=id,
@@ -42,6 +45,9 @@ def job(
         nproc_per_node=nproc,
         attempt_id=100 + id if state.is_active() else None,
         members=members,
+        waiting_since=None if waiting_since is None else T0 + timedelta(seconds=waiting_since),
+        not_before=None if not_before is None else T0 + timedelta(seconds=not_before),
+        wait_for_nodes=timedelta(seconds=60),
     )
 
 
@@ -81,17 +87,64 @@ def test_losing_one_of_two_members_keeps_the_job_running() -> None:
     assert plan(now, nodes, jobs, TIMEOUT) == [MarkNodeLost(1, now - TIMEOUT)]
 
 
-def test_losing_every_member_requeues_the_job() -> None:
+def test_losing_every_member_makes_the_job_wait() -> None:
     now = T0 + timedelta(seconds=30)
     nodes = [node(1, seen=0.0), node(2, state=NodeState.LOST)]
     jobs = [job(1, (1, 2), JobState.RESTARTING, members=(1, 2))]
-    assert plan(now, nodes, jobs, TIMEOUT) == [MarkNodeLost(1, now - TIMEOUT), RequeueJob(1, 101)]
+    assert plan(now, nodes, jobs, TIMEOUT) == [
+        MarkNodeLost(1, now - TIMEOUT),
+        WaitForNodes(1, 101),
+    ]
+
+
+def test_falling_below_min_makes_the_job_wait_even_with_a_node_left() -> None:
+    now = T0 + timedelta(seconds=30)
+    nodes = [node(1, seen=29.0), node(2, state=NodeState.LOST)]
+    jobs = [job(1, (2, 3), JobState.RUNNING, members=(1, 2))]
+    assert plan(now, nodes, jobs, TIMEOUT) == [WaitForNodes(1, 101)]
+
+
+def test_a_waiting_job_is_placed_again_when_min_nodes_are_free() -> None:
+    nodes = [node(1, seen=30.0), node(2, seen=30.0)]
+    jobs = [job(1, (2, 2), JobState.WAITING, waiting_since=10.0)]
+    assert plan(T0 + timedelta(seconds=30), nodes, jobs, TIMEOUT) == [PlaceJob(1, (1, 2))]
+
+
+def test_a_waiting_job_fails_once_its_deadline_has_passed() -> None:
+    nodes = [node(1, seen=70.0)]
+    jobs = [job(1, (2, 2), JobState.WAITING, waiting_since=10.0)]
+    assert plan(T0 + timedelta(seconds=70), nodes, jobs, TIMEOUT) == []
+    later = T0 + timedelta(seconds=70.5)
+    assert plan(later, nodes, jobs, TIMEOUT) == [GiveUpWaiting(1, T0 + timedelta(seconds=10))]
+
+
+def test_a_waiting_job_is_not_placed_before_its_back_off_ends() -> None:
+    nodes = [node(1, seen=20.0)]
+    jobs = [job(1, (1, 1), JobState.WAITING, waiting_since=10.0, not_before=25.0)]
+    assert plan(T0 + timedelta(seconds=20), nodes, jobs, TIMEOUT) == []
+    assert plan(T0 + timedelta(seconds=25), nodes, jobs, TIMEOUT) == [PlaceJob(1, (1,))]
 
 
 def test_running_job_below_max_takes_a_new_node() -> None:
     nodes = [node(1), node(2), node(3)]
     jobs = [job(1, (1, 3), JobState.RUNNING, members=(1,))]
     assert plan(T0, nodes, jobs, TIMEOUT) == [AddMembers(1, 101, (2, 3))]
+
+
+def test_a_node_that_left_an_attempt_is_not_added_back_to_it() -> None:
+    nodes = [node(1), node(2), node(3)]
+    running = JobView(
+        id=1,
+        state=JobState.RUNNING,
+        created_at=T0,
+        min_nodes=1,
+        max_nodes=3,
+        nproc_per_node=1,
+        attempt_id=101,
+        members=(1,),
+        former_members=(2,),
+    )
+    assert plan(T0, nodes, [running], TIMEOUT) == [AddMembers(1, 101, (3,))]
 
 
 def test_pending_jobs_get_free_nodes_before_running_jobs_grow() -> None:

@@ -33,7 +33,9 @@ def test_terminal_job_states_have_no_way_out() -> None:
         (JobState.PENDING, JobState.RUNNING),
         (JobState.RUNNING, JobState.RESTARTING),
         (JobState.RESTARTING, JobState.RUNNING),
-        (JobState.RUNNING, JobState.PENDING),
+        (JobState.RUNNING, JobState.WAITING),
+        (JobState.WAITING, JobState.RUNNING),
+        (JobState.WAITING, JobState.FAILED),
         (JobState.RUNNING, JobState.SUCCEEDED),
         (JobState.PENDING, JobState.CANCELLED),
     ],
@@ -50,6 +52,8 @@ def test_allowed_job_transitions(old: JobState, new: JobState) -> None:
         (JobState.FAILED, JobState.RESTARTING),
         (JobState.PENDING, JobState.SUCCEEDED),
         (JobState.PENDING, JobState.RESTARTING),
+        (JobState.RUNNING, JobState.PENDING),
+        (JobState.WAITING, JobState.SUCCEEDED),
     ],
 )
 def test_forbidden_job_transitions(old: JobState, new: JobState) -> None:
