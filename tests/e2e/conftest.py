@@ -28,10 +28,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop_all()
-        _dump_logs(data)
+        dump_logs(data)
 
 
-def _dump_logs(data: Path) -> None:
+def dump_logs(data: Path) -> None:
     """Keep the processes' logs visible in a failing run's output."""
     for log in sorted(data.glob("*.log")):
         tail = log.read_text(errors="replace").splitlines()[-40:]
@@ -45,13 +45,26 @@ def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
 
 
 def wait_terminal(client: RelaunchClient, job_id: int, timeout_s: float = 240) -> dict[str, Any]:
-    job: dict[str, Any] = wait_for(
-        f"job {job_id} to end",
-        lambda: (j := client.job(job_id))["state"] in TERMINAL and j,
-        timeout_s,
-        POLL_S,
-    )
+    try:
+        job: dict[str, Any] = wait_for(
+            f"job {job_id} to end",
+            lambda: (j := client.job(job_id))["state"] in TERMINAL and j,
+            timeout_s,
+            POLL_S,
+        )
+    except AssertionError:
+        dump_job(client, job_id)
+        raise
     return job
+
+
+def dump_job(client: RelaunchClient, job_id: int, lines: int = 60) -> None:
+    """Print a job's state, events and the tail of its logs, to explain a failing wait."""
+    print(f"----- job {job_id} -----\n{client.job(job_id)}")
+    for event in client.events(job_id):
+        print(f"{event['time']} {event['kind']} node={event['node_id']} {event['data']}")
+    for entry in client.logs(job_id)[-lines:]:
+        print(f"{entry['time']} node={entry['node_id']} {entry['stream']}: {entry['line']}")
 
 
 def wait_no_processes(cluster: LocalCluster, job_id: int, timeout_s: float = 15) -> None:

@@ -1,0 +1,124 @@
+"""Nodes as hosts: each agent in its own network namespace, with its own address.
+
+A bridge joins the namespaces to the controller's side. Cutting a node's link
+is a real network partition: its workers' gloo connections stall instead of
+closing, its heartbeats stop, and when the link comes back the node must find
+itself fenced out of the attempt the others went on with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from service.client import RelaunchClient
+from service.demo import LocalCluster, free_port
+from tests.conftest import wait_for
+from tests.e2e.conftest import POLL_S, dump_logs, wait_no_processes, wait_terminal
+from tests.e2e.test_survival import NODE_TIMEOUT_S, assert_trained, regression, wait_world_size
+
+pytestmark = pytest.mark.e2e
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@dataclass(frozen=True)
+class Hosts:
+    bridge: str
+    controller: str  # the controller's address on the bridge
+    nodes: dict[str, tuple[str, str, str]]  # name -> (namespace, host-side link, address)
+
+    def exec_prefix(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.nodes[name][0]]
+
+    def cut(self, name: str) -> None:
+        ip("link", "set", self.nodes[name][1], "down")
+
+    def mend(self, name: str) -> None:
+        ip("link", "set", self.nodes[name][1], "up")
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    tag = f"{os.getpid() % 100000}"
+    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    bridge = f"rlb{tag}"
+    nodes = {
+        name: (f"rl{tag}{name}", f"rlv{tag}{name}", f"{net}.{10 + i}")
+        for i, name in enumerate(("a", "b"))
+    }
+    ip("link", "add", bridge, "type", "bridge")
+    try:
+        ip("addr", "add", f"{net}.1/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for ns, link, address in nodes.values():
+            ip("netns", "add", ns)
+            ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "set", link, "master", bridge, "up")
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield Hosts(bridge, f"{net}.1", {f"host-{n}": v for n, v in nodes.items()})
+    finally:
+        for ns, link, _ in nodes.values():
+            subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    data = tmp_path_factory.mktemp("netns")
+    c = LocalCluster(data_dir=data, port=free_port(), store_port=free_port(), host=hosts.controller)
+    try:
+        c.start_controller({"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)})
+        for name, (_, _, address) in hosts.nodes.items():
+            c.start_agent(name, address=address, prefix=hosts.exec_prefix(name))
+        c.wait_nodes(len(hosts.nodes))
+        yield c
+    finally:
+        c.stop_all()
+        dump_logs(data)
+
+
+def test_a_node_cut_off_the_network_is_left_behind_and_fenced_when_it_returns(
+    cluster: LocalCluster, hosts: Hosts
+) -> None:
+    with RelaunchClient(cluster.url) as client:
+        spec = regression("cut", "1:2", hang_timeout_s=5, params={"epochs": 5, "step_delay": 0.15})
+        job_id = client.submit(spec)["id"]
+        wait_world_size(client, job_id, 2, after_step=6)
+        rank0 = next(p for p in cluster.job_workers(job_id) if p.environ().get("RANK") == "0")
+        victim = rank0.environ()["RELAUNCH_NODE_NAME"]
+        assert rank0.environ()["MASTER_ADDR"] == hosts.nodes[victim][2]  # really another host
+
+        hosts.cut(victim)
+        try:
+            wait_for(
+                "the cut-off node to be lost",
+                lambda: any(n["name"] == victim and n["state"] == "LOST" for n in client.nodes()),
+                NODE_TIMEOUT_S * 4,
+                POLL_S,
+            )
+            wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+        finally:
+            hosts.mend(victim)
+
+        def stale_part_stopped() -> bool:
+            return any(
+                e["kind"] == "node_stopped" and victim in e["message"]
+                for e in client.events(job_id)
+            )
+
+        wait_for("the returning node to stop its stale part", stale_part_stopped, 60, POLL_S)
+        job = wait_terminal(client, job_id)
+        assert_trained(client, job)
+        members = job["attempts"][0]["members"]
+        assert [m["state"] for m in members if m["node_name"] == victim] == ["LEFT"]
+        wait_no_processes(cluster, job_id)

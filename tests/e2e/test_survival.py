@@ -1,0 +1,328 @@
+"""Jobs survive the loss and the arrival of whole nodes, controller restarts and hangs.
+
+Each node is a real agent process with its launcher and workers under it.
+"Killing a node" SIGKILLs every one of those processes at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from service.client import RelaunchClient
+from service.demo import LocalCluster, free_port
+from tests.conftest import wait_for
+from tests.e2e.conftest import POLL_S, dump_logs, wait_no_processes, wait_terminal
+
+pytestmark = pytest.mark.e2e
+NODE_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    data = tmp_path_factory.mktemp("survival")
+    c = LocalCluster(data_dir=data, port=free_port(), store_port=free_port())
+    try:
+        c.start_controller({"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)})
+        yield c
+    finally:
+        c.stop_all()
+        dump_logs(data)
+
+
+@pytest.fixture
+def nodes(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[list[str]]:
+    """Names of agents this test starts; whatever is left of them is stopped after it."""
+    started: list[str] = []
+    yield started
+    for name in started:
+        cluster.stop(name)
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
+    with RelaunchClient(cluster.url) as c:
+        yield c
+
+
+def alive_nodes(cluster: LocalCluster) -> set[str]:
+    with RelaunchClient(cluster.url) as c:
+        return {n["name"] for n in c.nodes() if n["state"] == "ALIVE"}
+
+
+def start_nodes(cluster: LocalCluster, nodes: list[str], *names: str) -> None:
+    """Start agents ``names``; first let the nodes of earlier tests be declared lost, so
+    that no job is placed on a node that is already gone."""
+    wait_for(
+        "earlier tests' nodes to be lost",
+        lambda: alive_nodes(cluster) <= set(nodes),
+        NODE_TIMEOUT_S * 4,
+        POLL_S,
+    )
+    for name in names:
+        cluster.start_agent(name)
+        nodes.append(name)
+    wait_for(f"nodes {names} alive", lambda: set(names) <= alive_nodes(cluster), 60, POLL_S)
+
+
+def all_logs(client: RelaunchClient, job_id: int) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    while page := client.logs(job_id, after_id=lines[-1]["id"] if lines else 0):
+        lines += page
+    return lines
+
+
+def regression(name: str, nnodes: str, **extra: Any) -> dict[str, Any]:
+    params = {
+        "epochs": 3,
+        "samples": 1024,
+        "batch_size": 32,
+        "seed": 5,
+        "step_delay": 0.1,
+        "log_every_steps": 2,
+        **extra.pop("params", {}),
+    }
+    return {
+        "name": name,
+        "task": {"name": "regression", "params": params},
+        "nnodes": nnodes,
+        "max_restarts": 3,
+        "snapshot": {"every_steps": 5},
+        **extra,
+    }
+
+
+def node_of_rank(cluster: LocalCluster, job_id: int, rank: int) -> str:
+    for proc in cluster.job_workers(job_id):
+        env = proc.environ()
+        if env.get("RANK") == str(rank):
+            return env["RELAUNCH_NODE_NAME"]
+    raise AssertionError(f"no worker of job {job_id} has rank {rank}")
+
+
+def wait_world_size(client: RelaunchClient, job_id: int, size: int, after_step: int = 0) -> None:
+    """Until rank 0 reports a training step past ``after_step`` at world size ``size``."""
+    wait_for(
+        f"job {job_id} training at world size {size}",
+        lambda: any(
+            m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
+        ),
+        120,
+        POLL_S,
+    )
+
+
+def assert_trained(client: RelaunchClient, job: dict[str, Any]) -> None:
+    assert job["state"] == "SUCCEEDED", job
+    metrics = client.metrics(job["id"])
+    assert job["last_step"] == job["total_steps"]  # from the training_finished event
+    first_loss = metrics[0]["loss"]
+    assert job["last_loss"] is not None and job["last_loss"] < first_loss / 10, metrics
+
+
+@pytest.mark.parametrize("victim_rank", [0, 1], ids=["rank0-node", "other-node"])
+def test_a_node_drops_out_and_a_new_one_joins_without_a_restart(
+    cluster: LocalCluster,
+    client: RelaunchClient,
+    nodes: list[str],
+    victim_rank: int,
+) -> None:
+    tag = f"drop{victim_rank}"
+    start_nodes(cluster, nodes, f"{tag}-a", f"{tag}-b")
+    job_id = client.submit(regression(tag, "1:2"))["id"]
+    wait_world_size(client, job_id, 2, after_step=6)
+    victim = node_of_rank(cluster, job_id, victim_rank)
+
+    cluster.kill_node(victim)
+    last_step = client.job(job_id)["last_step"] or 0
+    wait_world_size(client, job_id, 1, after_step=last_step)
+    start_nodes(cluster, nodes, f"{tag}-c")
+    wait_world_size(client, job_id, 2, after_step=client.job(job_id)["last_step"] or 0)
+
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    assert job["restart_count"] == 0  # membership changes are not restarts
+    assert job["membership_changes"] >= 2
+    assert len(job["attempts"]) == 1  # the elastic agents re-formed in place
+    kinds = [e["kind"] for e in client.events(job_id)]
+    assert "node_left" in kinds and "node_joined" in kinds
+    wait_no_processes(cluster, job_id)
+
+
+def test_below_min_the_job_waits_and_resumes_when_a_node_comes(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    start_nodes(cluster, nodes, "min-a", "min-b")
+    job_id = client.submit(regression("below-min", "2:2", wait_for_nodes_s=300))["id"]
+    wait_for("a snapshot", lambda: client.snapshots(job_id), 120, POLL_S)
+    cluster.kill_node("min-b")
+
+    waiting = wait_for(
+        "the job to wait", lambda: (j := client.job(job_id))["state"] == "WAITING" and j, 60
+    )
+    assert waiting["restart_count"] == 0
+    wait_no_processes(cluster, job_id)  # the survivor stopped its part
+    start_nodes(cluster, nodes, "min-c")
+
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    assert job["restart_count"] == 0
+    assert [a["number"] for a in job["attempts"]] == [1, 2]
+    resumed = [e for e in client.events(job_id) if e["kind"] == "resumed"]
+    assert resumed and resumed[-1]["data"]["resumed_from_step"] > 0
+
+
+def test_a_killed_agent_leaves_no_worker_behind(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    start_nodes(cluster, nodes, "orphan-a")
+    job_id = client.submit(regression("orphans", "1:1"))["id"]
+    wait_for("training", lambda: (client.job(job_id)["last_step"] or 0) > 2, 120, POLL_S)
+    workers = cluster.job_workers(job_id)
+    assert workers
+
+    cluster.procs["orphan-a"].send_signal(signal.SIGKILL)  # the agent alone
+    cluster.procs["orphan-a"].wait()
+    gone = psutil.wait_procs(workers, timeout=20)[1]
+    assert gone == [], f"workers outlived their agent: {gone}"
+    wait_no_processes(cluster, job_id)
+    client.cancel(job_id)
+
+
+def test_the_job_survives_a_controller_restart(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    start_nodes(cluster, nodes, "ctl-a", "ctl-b")
+    job_id = client.submit(regression("ctl-restart", "2:2", params={"step_delay": 0.15}))["id"]
+    wait_for("training", lambda: (client.job(job_id)["last_step"] or 0) > 4, 120, POLL_S)
+    workers = {p.pid for p in cluster.job_workers(job_id)}
+
+    cluster.stop("controller", signal.SIGKILL)
+    time.sleep(2)
+    cluster.start_controller({"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)})
+    started = time.monotonic()
+    step = client.job(job_id)["last_step"] or 0
+    wait_for("progress reported again", lambda: (client.job(job_id)["last_step"] or 0) > step)
+    recovered_s = time.monotonic() - started
+    assert client.job(job_id)["state"] == "RUNNING"
+    assert {p.pid for p in cluster.job_workers(job_id)} == workers  # not even restarted
+
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    assert job["restart_count"] == 0
+    print(f"state right again {recovered_s:.1f} s after the controller came back")
+
+
+def test_a_paused_node_that_comes_back_is_fenced_out_of_its_old_attempt(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    start_nodes(cluster, nodes, "pause-a", "pause-b")
+    spec = regression("paused", "1:2", hang_timeout_s=5, params={"epochs": 5, "step_delay": 0.15})
+    job_id = client.submit(spec)["id"]
+    wait_world_size(client, job_id, 2, after_step=6)
+    victim = node_of_rank(cluster, job_id, 0)
+    frozen = cluster.signal_node(victim, signal.SIGSTOP)
+    try:
+        # The survivor's collective blocks on the frozen peer until its hang detector
+        # ends it; the controller drops the silent node; the survivor re-forms alone.
+        wait_for(
+            "the paused node to be lost",
+            lambda: victim not in alive_nodes(cluster),
+            NODE_TIMEOUT_S * 4,
+            POLL_S,
+        )
+        wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+    finally:
+        for proc in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGCONT)
+
+    def stale_part_stopped() -> bool:
+        return any(
+            e["kind"] == "node_stopped" and victim in e["message"] for e in client.events(job_id)
+        )
+
+    wait_for("the paused node to stop its stale part", stale_part_stopped, 60, POLL_S)
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    attempt = job["attempts"][0]
+    victim_rows = [m for m in attempt["members"] if m["node_name"] == victim]
+    assert [m["state"] for m in victim_rows] == ["LEFT"]  # never re-added to that attempt
+    assert max(m["world_size"] for m in client.metrics(job_id)[-3:]) == 1
+    wait_no_processes(cluster, job_id)
+
+
+def test_a_hung_worker_is_detected_dumped_and_restarted(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    start_nodes(cluster, nodes, "hang-a", "hang-b")
+    spec = regression(
+        "hang", "2:2", hang_timeout_s=4, params={"freeze_at_step": 12, "freeze_rank": 1}
+    )
+    job_id = client.submit(spec)["id"]
+
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    assert job["restart_count"] == 1
+    events = client.events(job_id)
+    hangs = [e for e in events if e["kind"] == "hang_detected"]
+    assert hangs and hangs[0]["data"]["idle_s"] >= 4
+    failed = [e for e in events if e["kind"] == "worker_failed"]
+    assert {e["data"]["cause"] for e in failed} == {"hang"}
+    dumps = [line for line in all_logs(client, job_id) if "most recent call" in line["line"]]
+    assert dumps, "no stack dump in the job's logs"
+    wait_no_processes(cluster, job_id)
+
+
+def _script(tmp: Path, name: str, body: str) -> str:
+    path = tmp / name
+    path.write_text(body)
+    return str(path)
+
+
+def test_fatal_errors_fail_at_once_and_crashes_spend_the_budget(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
+) -> None:
+    start_nodes(cluster, nodes, "fatal-a", "fatal-b")
+    crash = _script(tmp_path, "crash.py", "import sys\nsys.exit(3)\n")
+    cases = {
+        "missing-script": ({"path": str(tmp_path / "nope.py")}, {}),
+        "import-error": ({"path": _script(tmp_path, "imp.py", "import no_such_mod_x\n")}, {}),
+        "fatal-code": ({"path": _script(tmp_path, "f.py", "raise SystemExit(42)\n")}, {}),
+        "budget": ({"path": crash}, {}),
+    }
+    ids = {}
+    for name, (script, _) in cases.items():
+        spec: dict[str, Any] = {
+            "name": name,
+            "script": script,
+            "nnodes": "1",
+            "max_restarts": 2,
+            "restart_backoff_s": 0.5,
+            "fatal_exit_codes": [42],
+        }
+        ids[name] = client.submit(spec)["id"]
+    jobs = {name: wait_terminal(client, job_id) for name, job_id in ids.items()}
+
+    for name in ("missing-script", "import-error", "fatal-code"):
+        job = jobs[name]
+        assert job["state"] == "FAILED", job
+        assert job["restart_count"] == 0, job
+    assert "does not exist" in jobs["missing-script"]["message"]
+    assert "startup error" in jobs["import-error"]["message"]
+    assert "no_such_mod_x" in jobs["import-error"]["message"]
+    assert "fatal exit code" in jobs["fatal-code"]["message"]
+    budget = jobs["budget"]
+    assert budget["state"] == "FAILED"
+    assert budget["restart_count"] == 3 and "restart budget spent" in budget["message"]
+    restarts = [e for e in client.events(ids["budget"]) if e["kind"] == "restarting"]
+    assert [e["data"]["backoff_s"] for e in restarts] == [0, 0.5]
+    for job_id in ids.values():
+        wait_no_processes(cluster, job_id)
