@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
@@ -218,11 +218,17 @@ class Reconciler:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Heartbeats sent while this controller was down could not arrive: a node's
+        # silence counts from this controller's start at the earliest.
+        self._started_at = clock()
 
     def run_once(self) -> list[Action]:
         now = self._clock()
         with transaction(self._factory) as session:
             nodes, jobs = load_views(session)
+        nodes = [
+            replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._started_at)) for n in nodes
+        ]
         actions = plan(now, nodes, jobs, timedelta(seconds=self._settings.node_timeout_s))
         for action in actions:
             try:

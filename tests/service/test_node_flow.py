@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from service.reconciler import Reconciler
+from service.settings import ControllerSettings
 from tests.conftest import FakeClock
 
 
@@ -319,3 +320,24 @@ def test_a_restarted_controller_sees_the_same_world(
     with TestClient(create_app(settings, clock=clock, run_background=False)) as again:
         assert job(again, job_id)["state"] == "RUNNING"
         assert again.get("/api/v1/nodes").json()["items"][0]["job_id"] == job_id
+
+
+def test_a_restarted_controller_counts_node_silence_from_its_own_start(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock, settings: ControllerSettings
+) -> None:
+    """Heartbeats sent while the controller was down never arrived: that is no node's fault."""
+    a, _ = register(api, "a"), register(api, "b")
+    job_id = submit(api, "2:2")
+    reconciler.run_once()
+    clock.advance(60)  # the controller was down for a minute
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    restarted = Reconciler(factory, settings, clock)
+    clock.advance(5)
+    restarted.run_once()
+    assert {n["state"] for n in api.get("/api/v1/nodes").json()["items"]} == {"ALIVE"}
+    assert job(api, job_id)["state"] == "RUNNING"
+    heartbeat(api, a)
+    clock.advance(6)  # b silent for 11 s since the restart > 10 s timeout
+    restarted.run_once()
+    nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
+    assert nodes == {"a": "ALIVE", "b": "LOST"}
