@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from pathlib import Path
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -31,9 +30,10 @@ def rdzv_id_for(job_id: int, number: int) -> str:
     return f"relaunch-job{job_id}-attempt{number}"
 
 
-def snapshot_dir_for(settings: ControllerSettings, job_id: int) -> Path:
-    """Every attempt of a job resumes from the same directory under the fixed root."""
-    return settings.snapshots / f"job-{job_id}"
+def snapshot_dir_for(settings: ControllerSettings, job_id: int) -> str:
+    """Every attempt of a job resumes from the same directory under the fixed root
+    (a path or a URL); a client never names it."""
+    return f"{settings.snapshots.rstrip('/')}/job-{job_id}"
 
 
 def running_attempt(session: Session, job_id: int) -> Attempt | None:
@@ -179,7 +179,9 @@ def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> 
         ),
         entrypoint=entrypoint_for(spec),
         env=spec.env,
-        snapshot_dir=str(snapshot_dir_for(settings, job.id)),
+        snapshot_dir=snapshot_dir_for(settings, job.id),
         snapshot_every_steps=spec.snapshot.every_steps,
         snapshot_every_epochs=spec.snapshot.every_epochs,
+        snapshot_keep=spec.snapshot.keep,
+        snapshot_async=spec.snapshot.background,
     )

@@ -69,13 +69,14 @@ class LocalCluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path | None = None
     host: str = "127.0.0.1"  # where nodes reach the controller and its store
+    snapshot_root: Path | None = None  # default: data_dir/snapshots
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def snapshot_dir(self, job_id: int) -> Path:
-        return self.data_dir / "snapshots" / f"job-{job_id}"
+        return (self.snapshot_root or self.data_dir / "snapshots") / f"job-{job_id}"
 
     def job_processes(self, job_id: int) -> list[psutil.Process]:
         return job_processes(self.snapshot_dir(job_id))
@@ -103,6 +104,7 @@ class LocalCluster:
             "RELAUNCH_PORT": str(self.port),
             "RELAUNCH_STORE_HOST": self.host,
             "RELAUNCH_STORE_PORT": str(self.store_port),
+            **({"RELAUNCH_SNAPSHOT_ROOT": str(self.snapshot_root)} if self.snapshot_root else {}),
             **(extra_env or {}),
         }
         self._spawn("controller", ["server"], env)

@@ -154,7 +154,7 @@ class JobEvent(Base):
 
 
 class Snapshot(Base):
-    """A snapshot that rank 0 reported as saved."""
+    """A snapshot that rank 0 committed (manifest written), as its manifest describes it."""
 
     __tablename__ = "snapshots"
     __table_args__ = (Index("ix_snapshots_job_id_step", "job_id", "step"),)
@@ -166,6 +166,8 @@ class Snapshot(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
     bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    world_size: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
 
 

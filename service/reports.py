@@ -9,6 +9,7 @@ recorded, so the timeline says its processes are gone.
 from __future__ import annotations
 
 import logging
+import re
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -121,8 +122,10 @@ def _apply_event(
                 attempt_id=attempt.id,
                 step=int(data.get("step", 0)),
                 epoch=int(data.get("epoch", 0)),
-                path=str(data.get("path", "")),
+                path=str(data.get("path", ""))[:4096],
                 bytes=int(data.get("bytes", 0)),
+                sha256=_sha256_or_none(data.get("sha256")),
+                world_size=_int_or_none(data.get("world_size")),
                 created_at=event.time,
             )
         )
@@ -132,6 +135,28 @@ def _apply_event(
             "snapshot_saved",
             f"snapshot saved at step {data.get('step')}",
             event.time,
+            **ids,
+        )
+    elif kind is EventKind.SNAPSHOT_FAILED:
+        add_event(
+            session,
+            job.id,
+            "snapshot_failed",
+            f"snapshot at step {data.get('step')} failed, training goes on: "
+            f"{str(data.get('error', ''))[:500]}",
+            event.time,
+            data={"step": _int_or_none(data.get("step")), "error": str(data.get("error"))[:500]},
+            **ids,
+        )
+    elif kind is EventKind.SNAPSHOT_SKIPPED:
+        add_event(
+            session,
+            job.id,
+            "snapshot_skipped",
+            f"snapshot at step {data.get('step')} skipped on resume: "
+            f"{str(data.get('reason', ''))[:500]}",
+            event.time,
+            data={"step": _int_or_none(data.get("step")), "reason": str(data.get("reason"))[:500]},
             **ids,
         )
     elif kind is EventKind.FINISHED:
@@ -317,6 +342,19 @@ def _record_stopped(
         node_id=node.id,
         data={"clean": exit.clean, "outcome": exit.outcome},
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _sha256_or_none(value: Any) -> str | None:
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
+        return value
+    return None
 
 
 def _float_or_none(value: Any) -> float | None:

@@ -80,6 +80,16 @@ class SnapshotPolicy(_Strict):
 
     every_steps: int | None = Field(default=None, ge=1, le=10**9)
     every_epochs: int | None = Field(default=None, ge=1, le=10**6)
+    keep: int = Field(
+        default=2,
+        ge=1,
+        le=1000,
+        description="Snapshots kept; an older one is removed only after a newer one is "
+        "committed. Keep at least 2 to survive a damaged newest snapshot.",
+    )
+    background: bool = Field(
+        default=True, description="Write snapshots in a background thread while training goes on"
+    )
 
 
 class JobSpec(_Strict):
@@ -333,6 +343,8 @@ class SnapshotPublic(_FromRow):
     epoch: int
     path: str
     bytes: int
+    sha256: str | None
+    world_size: int | None
     created_at: datetime
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, model_validator
@@ -34,10 +35,11 @@ class ControllerSettings(BaseSettings):
         default=None,
         description="Address nodes use to reach the rendezvous store (default: store_host)",
     )
-    snapshot_root: Path | None = Field(
+    snapshot_root: str | None = Field(
         default=None,
-        description="Root of per-job snapshot directories, shared by every node "
-        "(default: data_dir/snapshots)",
+        max_length=1024,
+        description="Root of per-job snapshot directories, shared by every node: a path "
+        "(default: data_dir/snapshots) or an fsspec URL such as s3://bucket/relaunch",
     )
 
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
@@ -54,7 +56,7 @@ class ControllerSettings(BaseSettings):
         if self.database_url is None:
             self.database_url = f"sqlite:///{self.data_dir / 'relaunch.db'}"
         if self.snapshot_root is None:
-            self.snapshot_root = self.data_dir / "snapshots"
+            self.snapshot_root = str(self.data_dir / "snapshots")
         if self.advertise_host is None:
             self.advertise_host = self.store_host
         return self
@@ -65,9 +67,13 @@ class ControllerSettings(BaseSettings):
         return self.database_url
 
     @property
-    def snapshots(self) -> Path:
+    def snapshots(self) -> str:
         assert self.snapshot_root is not None  # filled by the validator
-        return self.snapshot_root
+        return self.snapshot_root.rstrip("/") or "/"
+
+    @property
+    def snapshots_are_local(self) -> bool:
+        return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", self.snapshots) is None
 
     @property
     def store_endpoint(self) -> str:

@@ -39,9 +39,11 @@ from worker.protocol import (
     JOB_ID_ENV,
     NODE_NAME_ENV,
     PROGRESS_DIR_ENV,
+    SNAPSHOT_ASYNC_ENV,
     SNAPSHOT_DIR_ENV,
     SNAPSHOT_EVERY_EPOCHS_ENV,
     SNAPSHOT_EVERY_STEPS_ENV,
+    SNAPSHOT_KEEP_ENV,
     STORE_ENDPOINT_ENV,
     Assignment,
     AttemptExit,
@@ -50,6 +52,7 @@ from worker.protocol import (
     LogLine,
     RunningAttempt,
 )
+from worker.runtime.storage import is_url
 from worker.settings import AgentSettings
 
 logger = logging.getLogger(__name__)
@@ -162,6 +165,8 @@ def build_launcher_env(
         env[SNAPSHOT_EVERY_STEPS_ENV] = str(assignment.snapshot_every_steps)
     if assignment.snapshot_every_epochs is not None:
         env[SNAPSHOT_EVERY_EPOCHS_ENV] = str(assignment.snapshot_every_epochs)
+    env[SNAPSHOT_KEEP_ENV] = str(assignment.snapshot_keep)
+    env[SNAPSHOT_ASYNC_ENV] = "1" if assignment.snapshot_async else "0"
     if GLOO_IFNAME_ENV not in env:
         # Without it gloo binds to what the hostname resolves to, often 127.0.x.1, and
         # tells its peers on other hosts to connect there. The job's env may override it.
@@ -223,7 +228,8 @@ class Attempt:
         """Start the launcher; a start that fails becomes a failed exit."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            Path(self.assignment.snapshot_dir).mkdir(parents=True, exist_ok=True)
+            if not is_url(self.assignment.snapshot_dir):
+                Path(self.assignment.snapshot_dir).mkdir(parents=True, exist_ok=True)
             self.events_path.write_bytes(b"")  # a previous life may have left one
             torchrun_args = build_torchrun_args(
                 self.assignment,

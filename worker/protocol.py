@@ -26,6 +26,8 @@ NODE_NAME_ENV = "RELAUNCH_NODE_NAME"
 SNAPSHOT_DIR_ENV = "RELAUNCH_SNAPSHOT_DIR"
 SNAPSHOT_EVERY_STEPS_ENV = "RELAUNCH_SNAPSHOT_EVERY_STEPS"
 SNAPSHOT_EVERY_EPOCHS_ENV = "RELAUNCH_SNAPSHOT_EVERY_EPOCHS"
+SNAPSHOT_KEEP_ENV = "RELAUNCH_SNAPSHOT_KEEP"
+SNAPSHOT_ASYNC_ENV = "RELAUNCH_SNAPSHOT_ASYNC"
 EVENTS_FILE_ENV = "RELAUNCH_EVENTS_FILE"
 # Each worker touches ``<dir>/local-<LOCAL_RANK>`` as it makes progress (hang detection).
 PROGRESS_DIR_ENV = "RELAUNCH_PROGRESS_DIR"
@@ -47,7 +49,9 @@ class EventKind(StrEnum):
     From the training runtime (rank 0 only):
       STARTED         world_size, restart_count, resumed_from_step (int | None), total_steps
       PROGRESS        step, epoch, loss, samples_per_s, world_size
-      SNAPSHOT        step, epoch, path, bytes
+      SNAPSHOT        step, epoch, world_size, path, bytes, sha256, seconds, background
+      SNAPSHOT_FAILED step, error (the save was abandoned; training goes on)
+      SNAPSHOT_SKIPPED step, reason (a snapshot that did not verify on resume)
       FINISHED        step, loss, output_path
     """
 
@@ -58,6 +62,8 @@ class EventKind(StrEnum):
     STARTED = "started"
     PROGRESS = "progress"
     SNAPSHOT = "snapshot"
+    SNAPSHOT_FAILED = "snapshot_failed"
+    SNAPSHOT_SKIPPED = "snapshot_skipped"
     FINISHED = "finished"
 
 
@@ -135,6 +141,8 @@ class Assignment(BaseModel):
     snapshot_dir: str
     snapshot_every_steps: int | None = None
     snapshot_every_epochs: int | None = None
+    snapshot_keep: int = 2
+    snapshot_async: bool = True
 
 
 class RunningAttempt(BaseModel):

@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
+from pathlib import Path
 
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
@@ -37,7 +38,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         wait_for_database(engine)
         upgrade_to_head(settings.db_url)
-        settings.snapshots.mkdir(parents=True, exist_ok=True)
+        if settings.snapshots_are_local:
+            Path(settings.snapshots).mkdir(parents=True, exist_ok=True)
         store = StoreSupervisor(settings.store_host, settings.store_port)
         reconciler = Reconciler(factory, settings, clock)
         if run_background:

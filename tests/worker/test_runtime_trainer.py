@@ -13,7 +13,7 @@ from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
 from worker.runtime.setup import seed_everything
-from worker.runtime.snapshot import list_snapshots
+from worker.runtime.snapshot import list_snapshots, manifest_name
 from worker.runtime.trainer import Trainer, TrainResult
 from worker.tasks import regression, spirals
 
@@ -67,11 +67,13 @@ def test_resume_after_crash_matches_uninterrupted_run(
 
     crashed = tmp_path / "crashed"
     events = tmp_path / "events.jsonl"
-    stopped = train(crashed, events, snapshot_every_steps=4, stop_after_steps=11)
+    stopped = train(
+        crashed, events, snapshot_every_steps=4, stop_after_steps=11, snapshot_async=False
+    )
     assert not stopped.finished and stopped.step == 11
     assert [s for s, _ in list_snapshots(crashed)] == [8, 11]
     # a crash right after step 11 would have left the step-8 snapshot newest
-    (crashed / "snapshot-000000011.pt").unlink()
+    (crashed / manifest_name(11)).unlink()
     resumed = train(crashed, events, snapshot_every_steps=4)
     assert resumed.finished and resumed.step == 24
     assert_same_state(final_state(resumed), final_state(reference))

@@ -15,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from worker.protocol import (
+    SNAPSHOT_ASYNC_ENV,
     SNAPSHOT_DIR_ENV,
     SNAPSHOT_EVERY_EPOCHS_ENV,
     SNAPSHOT_EVERY_STEPS_ENV,
+    SNAPSHOT_KEEP_ENV,
 )
+from worker.runtime.snapshot import FAULT_POINTS
+from worker.runtime.storage import is_url
 
 DEFAULT_SNAPSHOT_DIR = "./snapshots"
 
@@ -60,6 +64,7 @@ class TrainerConfig:
     snapshot_every_epochs: int | None = 1
     snapshot_dir: str = DEFAULT_SNAPSHOT_DIR
     snapshot_keep: int = 2
+    snapshot_async: bool = True
     log_every_steps: int = 10
     step_delay_s: float = 0.0
     output_path: str | None = None
@@ -67,6 +72,8 @@ class TrainerConfig:
     drop_last_batch: bool = False
     freeze_at_step: int | None = None
     freeze_rank: int = 0
+    snapshot_crash_at: str | None = None
+    snapshot_crash_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_epochs < 1:
@@ -85,15 +92,19 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if self.snapshot_crash_at is not None and self.snapshot_crash_at not in FAULT_POINTS:
+            raise ValueError(f"snapshot_crash_at must be one of {FAULT_POINTS}")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise ValueError(f"stop_after_steps must be >= 1 or None, got {self.stop_after_steps}")
 
     @property
-    def final_output_path(self) -> Path:
+    def final_output_path(self) -> str:
         """Where the final model goes: ``output_path`` or ``<snapshot_dir>/final.pt``."""
         if self.output_path:
-            return Path(self.output_path)
-        return Path(self.snapshot_dir) / "final.pt"
+            return self.output_path
+        if is_url(self.snapshot_dir):
+            return f"{self.snapshot_dir.rstrip('/')}/final.pt"
+        return str(Path(self.snapshot_dir) / "final.pt")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ, **fields: Any) -> TrainerConfig:
@@ -108,6 +119,14 @@ class TrainerConfig:
             fields["snapshot_dir"] = environ.get(SNAPSHOT_DIR_ENV) or DEFAULT_SNAPSHOT_DIR
         if fields.get("snapshot_every_steps") is None:
             fields["snapshot_every_steps"] = _optional_count(environ, SNAPSHOT_EVERY_STEPS_ENV)
+        if fields.get("snapshot_keep") is None:
+            keep = _optional_count(environ, SNAPSHOT_KEEP_ENV)
+            fields["snapshot_keep"] = 2 if keep is None else keep
+        if fields.get("snapshot_async") is None:
+            raw = (environ.get(SNAPSHOT_ASYNC_ENV) or "1").strip().lower()
+            if raw not in ("0", "1", "true", "false"):
+                raise ValueError(f"environment variable {SNAPSHOT_ASYNC_ENV}={raw!r} is not 0 or 1")
+            fields["snapshot_async"] = raw in ("1", "true")
         if fields.get("snapshot_every_epochs") is None:
             env_epochs = _optional_count(environ, SNAPSHOT_EVERY_EPOCHS_ENV)
             fields["snapshot_every_epochs"] = 1 if env_epochs is None else env_epochs

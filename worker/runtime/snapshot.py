@@ -1,40 +1,52 @@
-"""Training snapshots: what they hold, how they are written and how they are found.
+"""Training snapshots: what they hold, how they are written, verified and found.
 
-A snapshot file is ``snapshot-{step:09d}.pt`` in the snapshot directory and holds
-only plain dicts, lists, numbers, strings and tensors, so it loads with
-``torch.load(weights_only=True)``. Writes are atomic: a temporary file in the
-same directory is written, flushed and fsynced, renamed over the final name and
-the directory fsynced; only then are older snapshots pruned. A crash therefore
-leaves the previous snapshots intact plus, at worst, a temporary file that the
-loader ignores and the next save removes.
+A snapshot is two files in the snapshot location (see ``storage``):
+
+- ``snapshot-{step:09d}-{token}.pt``, the data: only plain dicts, lists, numbers,
+  strings and tensors, so it loads with ``torch.load(weights_only=True)``. The
+  random token keeps a stale writer from ever replacing a committed file.
+- ``snapshot-{step:09d}.json``, the manifest, written last: step, epoch, world
+  size, the data file's name, its size in bytes and sha256, the time, the job and attempt.
+
+A snapshot without a manifest does not exist, and one whose data does not match
+its manifest is skipped with the reason, in favour of the one before it. Both
+files are written atomically (temporary name, fsync, rename, directory fsync),
+so a crash at any point leaves the previous snapshots intact plus, at worst,
+files the loader ignores and a later save removes. Older snapshots are pruned
+only after a newer one is committed and its data file checked in place.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
+import io
+import json
 import logging
 import os
 import re
 import secrets
-import socket
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import IO, Any
 
 import torch
 
 from worker.runtime.rng import RngState
+from worker.runtime.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = 1
-_SNAPSHOT_RE = re.compile(r"^snapshot-(\d+)\.pt$")
-_TMP_SUFFIX = ".tmp"
-# A temporary file this old is left over by a crash even if its writer's pid is
-# unknown here (another host on a shared file system).
-STALE_TMP_AGE_S = 600.0
+MANIFEST_FORMAT = 1
+_MANIFEST_RE = re.compile(r"^snapshot-(\d{9})\.json$")
+_DATA_RE = re.compile(r"^snapshot-(\d{9})-[0-9a-f]{8}\.pt$")
+# Named points of a save, for fault drills (``fault`` hooks): inside the data
+# write, after the data is durable but before its rename, and between the data
+# file's rename and the manifest's.
+FAULT_POINTS = ("during_write", "before_rename", "before_manifest")
+
+Location = str | os.PathLike[str] | Storage
 
 
 @dataclass
@@ -57,6 +69,7 @@ class Snapshot:
     seed: int
     rng: RngState
     scheduler_state: dict[str, Any] | None = None
+    scaler_state: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +87,7 @@ class Snapshot:
             "model_state": self.model_state,
             "optimizer_state": self.optimizer_state,
             "scheduler_state": self.scheduler_state,
+            "scaler_state": self.scaler_state,
             "step": self.step,
             "epoch": self.epoch,
             "samples_consumed": self.samples_consumed,
@@ -95,6 +109,7 @@ class Snapshot:
                 model_state=payload["model_state"],
                 optimizer_state=payload["optimizer_state"],
                 scheduler_state=payload.get("scheduler_state"),
+                scaler_state=payload.get("scaler_state"),
                 step=payload["step"],
                 epoch=payload["epoch"],
                 samples_consumed=payload["samples_consumed"],
@@ -107,143 +122,234 @@ class Snapshot:
             raise ValueError(f"snapshot payload lacks {exc.args[0]!r}") from None
 
 
-def snapshot_path(directory: str | os.PathLike[str], step: int) -> Path:
-    return Path(directory) / f"snapshot-{step:09d}.pt"
+@dataclass(frozen=True)
+class Manifest:
+    """What was committed: the data file's name, size and checksum, and where training was.
 
-
-def list_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every snapshot file in ``directory``, oldest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _SNAPSHOT_RE.match(entry.name)
-        if match and entry.is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_torch_save(
-    obj: Any, path: str | os.PathLike[str], before_commit: Callable[[], None] | None = None
-) -> Path:
-    """``torch.save`` ``obj`` to ``path`` so that ``path`` is either old or complete.
-
-    Writes ``.{name}.{host}.{pid}.{token}.tmp`` beside ``path``, fsyncs it, calls
-    ``before_commit`` (a fence that raises to refuse the write), renames it over
-    ``path`` and fsyncs the directory. The temporary file is removed if anything
-    fails before the rename.
+    ``time`` is the commit time (ISO 8601, UTC). ``job_id`` and ``attempt_id``
+    name the writer when the node agent set them.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(
-        f".{target.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-    )
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if before_commit is not None:
-            before_commit()
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_directory(target.parent)
-    return target
+
+    step: int
+    epoch: int
+    samples_consumed: int
+    world_size: int
+    file: str
+    size: int
+    sha256: str
+    time: str
+    job_id: str | None = None
+    attempt_id: str | None = None
+    format: int = MANIFEST_FORMAT
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse a manifest; ``ValueError`` saying what is wrong if it is not one."""
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"manifest is not JSON: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+            raise ValueError("not a snapshot manifest of a known format")
+        try:
+            manifest = cls(**raw)
+        except TypeError as exc:
+            raise ValueError(f"manifest fields do not fit: {exc}") from None
+        if not _DATA_RE.match(manifest.file) or not re.fullmatch(r"[0-9a-f]{64}", manifest.sha256):
+            raise ValueError("manifest names no valid data file or checksum")
+        return manifest
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def manifest_name(step: int) -> str:
+    return f"snapshot-{step:09d}.json"
 
 
-def _is_stale_tmp(entry: Path, now: float) -> bool:
-    """A temporary file whose writer is gone: a dead pid on this host, or too old."""
-    parts = entry.name[: -len(_TMP_SUFFIX)].split(".")
-    # ["", "snapshot-000000012", "pt", host, pid, token]
-    if len(parts) == 6 and parts[3] == _host_tag() and parts[4].isdigit():
-        pid = int(parts[4])
-        if pid != os.getpid() and not _pid_alive(pid):
-            return True
-    try:
-        return now - entry.stat().st_mtime > STALE_TMP_AGE_S
-    except FileNotFoundError:
-        return False
+class _HashingWriter:
+    """A write-only file that counts and hashes what passes through to ``handle``."""
+
+    def __init__(self, handle: IO[bytes], fault: Callable[[str], None] | None) -> None:
+        self._handle = handle
+        self._fault = fault
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._fault is not None and self.bytes > 0:
+            self._fault("during_write")
+            self._fault = None
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
 
 
-def _remove_stale_tmp_files(directory: Path) -> None:
-    now = time.time()
-    for entry in directory.glob(f".snapshot-*{_TMP_SUFFIX}"):
-        if _is_stale_tmp(entry, now):
-            logger.info("removing temporary file left by a crash: %s", entry)
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
+def _no_fault(point: str) -> None:
+    pass
 
 
 def save_snapshot(
-    directory: str | os.PathLike[str],
+    location: Location,
     snapshot: Snapshot,
     keep: int = 2,
     before_commit: Callable[[], None] | None = None,
-) -> Path:
-    """Write ``snapshot`` atomically as ``snapshot-{step:09d}.pt`` and prune.
+    fault: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Write ``snapshot`` (data, then manifest) and prune; return its manifest.
 
-    After the new file is durably in place, older snapshots are removed so that
-    the new one and the ``keep - 1`` newest older ones remain; a snapshot with a
-    higher step than the new one (a stale writer's, or one that failed to load)
-    is left alone. Temporary files of crashed writers are removed too.
-    ``before_commit`` runs just before the rename (see ``atomic_torch_save``).
-    Raises ``ValueError`` if ``keep < 1``.
+    ``before_commit`` runs before each of the two files becomes visible (a
+    fence that raises to refuse the write, see ``fence``); ``fault(point)`` is
+    called at each of ``FAULT_POINTS``, for drills. Once the manifest is
+    committed and the data file's size checked, older snapshots are removed so
+    that this one and the ``keep - 1`` newest older ones remain; snapshots with
+    a higher step than this one (a stale writer's, or ones that failed to load)
+    are left alone. Raises ``ValueError`` if ``keep < 1``, and what the storage
+    raises (``OSError`` on a full disk) with nothing committed.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_files(root)
-    path = atomic_torch_save(
-        snapshot.to_payload(), snapshot_path(root, snapshot.step), before_commit
+    storage = open_storage(location)
+    hook = fault or _no_fault
+    storage.remove_stale_temporaries()
+    data_name = f"snapshot-{snapshot.step:09d}-{secrets.token_hex(4)}.pt"
+    hashed: list[_HashingWriter] = []
+
+    def write_data(handle: IO[bytes]) -> None:
+        writer = _HashingWriter(handle, hook)
+        hashed.append(writer)
+        torch.save(snapshot.to_payload(), writer)  # type: ignore[arg-type]
+
+    storage.write(data_name, write_data, before_commit, lambda: hook("before_rename"))
+    hook("before_manifest")
+    manifest = Manifest(
+        step=snapshot.step,
+        epoch=snapshot.epoch,
+        samples_consumed=snapshot.samples_consumed,
+        world_size=snapshot.world_size,
+        file=data_name,
+        size=hashed[0].bytes,
+        sha256=hashed[0].sha256.hexdigest(),
+        time=datetime.now(UTC).isoformat(),
+        job_id=snapshot.extra.get("job_id"),
+        attempt_id=snapshot.extra.get("attempt_id"),
     )
-    older = [p for step, p in list_snapshots(root) if step < snapshot.step]
-    for stale in older[: max(0, len(older) - (keep - 1))]:
-        with contextlib.suppress(FileNotFoundError):
-            stale.unlink()
-    return path
+
+    def write_manifest(handle: IO[bytes]) -> None:
+        handle.write(manifest.to_json())
+
+    storage.write(manifest_name(snapshot.step), write_manifest, before_commit)
+    if storage.size(data_name) != manifest.size:
+        raise OSError(
+            f"{storage.path_of(data_name)} does not hold the {manifest.size} bytes written"
+        )
+    prune(storage, keep, snapshot.step)
+    return manifest
 
 
-def load_latest_snapshot(directory: str | os.PathLike[str]) -> Snapshot | None:
-    """The newest snapshot in ``directory`` that loads, or ``None`` if none does.
-
-    Files are tried newest step first with ``weights_only=True`` onto the CPU; a
-    file that is truncated, corrupt or not a snapshot is skipped with a warning.
-    """
-    for step, path in reversed(list_snapshots(directory)):
-        try:
-            payload = torch.load(path, weights_only=True, map_location="cpu")
-            snapshot = Snapshot.from_payload(payload)
-        except Exception as exc:  # any unreadable file: fall back to an older one
-            logger.warning("skipping unreadable snapshot %s (step %d): %s", path, step, exc)
+def prune(location: Location, keep: int, committed_step: int) -> None:
+    """Keep the ``keep`` newest snapshots up to ``committed_step``; drop older ones and
+    data files that no manifest names below that step (crash leftovers)."""
+    storage = open_storage(location)
+    names = storage.names()
+    manifests = sorted((int(m.group(1)), name) for name in names if (m := _MANIFEST_RE.match(name)))
+    up_to = [(step, name) for step, name in manifests if step <= committed_step]
+    doomed = up_to[: max(0, len(up_to) - keep)]
+    kept_files: set[str] = set()
+    for step, name in manifests:
+        if (step, name) in doomed:
             continue
-        if snapshot.step != step:
-            logger.warning("snapshot %s holds step %d, not %d", path, snapshot.step, step)
-        return snapshot
+        try:
+            kept_files.add(Manifest.from_json(storage.read(name)).file)
+        except (OSError, ValueError):
+            continue
+    for _, name in doomed:  # the manifest first: a snapshot stops existing before its data goes
+        storage.remove(name)
+    for name in names:
+        match = _DATA_RE.match(name)
+        if match and int(match.group(1)) <= committed_step and name not in kept_files:
+            storage.remove(name)
+
+
+def list_snapshots(location: Location) -> list[tuple[int, Manifest]]:
+    """``(step, manifest)`` of every snapshot with a readable manifest, oldest first.
+
+    The data is not checked here; ``load_latest_snapshot`` does that.
+    """
+    storage = open_storage(location)
+    found = []
+    for name in storage.names():
+        match = _MANIFEST_RE.match(name)
+        if not match:
+            continue
+        try:
+            found.append((int(match.group(1)), Manifest.from_json(storage.read(name))))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda item: item[0])
+
+
+SkipReporter = Callable[[int, str], None]
+
+
+def load_latest_snapshot(
+    location: Location, on_skip: SkipReporter | None = None
+) -> tuple[Snapshot, Manifest] | None:
+    """The newest snapshot whose data matches its manifest, or ``None`` if none does.
+
+    Candidates are tried newest step first. A snapshot is skipped, with a
+    warning and ``on_skip(step, reason)``, when its manifest is unreadable, its
+    data file is missing, shorter or longer than recorded, fails the sha256
+    check, or does not load with ``weights_only=True`` onto the CPU.
+    """
+    storage = open_storage(location)
+    candidates = sorted(
+        ((int(m.group(1)), name) for name in storage.names() if (m := _MANIFEST_RE.match(name))),
+        reverse=True,
+    )
+    for step, name in candidates:
+        try:
+            manifest = Manifest.from_json(storage.read(name))
+            snapshot = _read_verified(storage, manifest)
+        except FileNotFoundError as exc:
+            reason = f"missing file: {exc.filename or exc}"
+        except (OSError, ValueError) as exc:
+            reason = str(exc)
+        except Exception as exc:  # what torch.load raises on a file it cannot parse
+            reason = f"does not load: {type(exc).__name__}: {exc}"
+        else:
+            if manifest.step == step and snapshot.step == step:
+                return snapshot, manifest
+            reason = f"manifest or data holds step {snapshot.step}, not {step}"
+        logger.warning("skipping snapshot at step %d in %s: %s", step, storage.location, reason)
+        if on_skip is not None:
+            on_skip(step, reason)
     return None
+
+
+def _read_verified(storage: Storage, manifest: Manifest) -> Snapshot:
+    data = storage.read(manifest.file)
+    if len(data) != manifest.size:
+        raise ValueError(f"size mismatch: {len(data)} bytes on storage, {manifest.size} recorded")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != manifest.sha256:
+        raise ValueError(
+            f"checksum mismatch: sha256 {digest[:12]}..., {manifest.sha256[:12]}... recorded"
+        )
+    payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    return Snapshot.from_payload(payload)
+
+
+def atomic_torch_save(
+    obj: Any, location: str | os.PathLike[str], before_commit: Callable[[], None] | None = None
+) -> str:
+    """``torch.save`` ``obj`` to a path or URL that is then either old or complete;
+    return where it went. ``before_commit`` may raise to refuse the write."""
+    text = os.fspath(location).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    storage = open_storage(parent or ".")
+    storage.write(name, lambda handle: torch.save(obj, handle), before_commit)
+    return storage.path_of(name)

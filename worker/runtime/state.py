@@ -10,6 +10,7 @@ from torch import nn
 
 from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV
 from worker.runtime.rng import RngState
+from worker.runtime.saver import copy_off
 from worker.runtime.snapshot import Snapshot
 
 
@@ -18,6 +19,7 @@ def capture_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     *,
+    scaler: torch.amp.GradScaler | None = None,
     step: int,
     epoch: int,
     samples_consumed: int,
@@ -28,13 +30,16 @@ def capture_state(
 ) -> Snapshot:
     """A snapshot of the run after ``step``; ``model`` must be the unwrapped module.
 
-    ``extra`` records the job and attempt that wrote it, when the agent set them.
+    Every tensor is a private CPU copy (``saver.copy_off``): training may go on
+    changing the live ones while the snapshot is written. ``extra`` records the
+    job and attempt that wrote it, when the agent set them.
     """
     ids = (("job_id", JOB_ID_ENV), ("attempt_id", ATTEMPT_ID_ENV))
     return Snapshot(
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        scheduler_state=scheduler.state_dict() if scheduler is not None else None,
+        model_state=copy_off(model.state_dict()),
+        optimizer_state=copy_off(optimizer.state_dict()),
+        scheduler_state=copy_off(scheduler.state_dict()) if scheduler is not None else None,
+        scaler_state=copy_off(scaler.state_dict()) if scaler is not None else None,
         step=step,
         epoch=epoch,
         samples_consumed=samples_consumed,
@@ -51,11 +56,16 @@ def restore_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     device: torch.device,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
-    """Load ``snapshot`` into the unwrapped ``model``, ``optimizer``, ``scheduler`` and
-    the RNGs. Raises what ``load_state_dict`` raises when the shapes do not fit."""
+    """Load ``snapshot`` into the unwrapped ``model``, ``optimizer``, ``scheduler``,
+    AMP ``scaler`` and the RNGs.
+
+    Raises what ``load_state_dict`` raises when the shapes do not fit."""
     model.load_state_dict(snapshot.model_state)
     optimizer.load_state_dict(snapshot.optimizer_state)
     if scheduler is not None and snapshot.scheduler_state is not None:
         scheduler.load_state_dict(snapshot.scheduler_state)
+    if scaler is not None and snapshot.scaler_state is not None:
+        scaler.load_state_dict(snapshot.scaler_state)
     snapshot.rng.restore(device)

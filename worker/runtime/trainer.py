@@ -19,6 +19,8 @@ BatchNorm becomes SyncBatchNorm on CUDA only (see ``setup``).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from worker.runtime.events import EventWriter
 from worker.runtime.fence import writer_token_from_environ
 from worker.runtime.progress import beat
 from worker.runtime.sampler import ResumableDistributedSampler, steps_left
+from worker.runtime.saver import SnapshotSaver
 from worker.runtime.setup import (
     LossFn,
     OptimizerFactory,
@@ -44,8 +47,9 @@ from worker.runtime.setup import (
     prepare_model,
     seed_everything,
 )
-from worker.runtime.snapshot import atomic_torch_save, load_latest_snapshot, save_snapshot
+from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
 from worker.runtime.state import capture_state, restore_state
+from worker.runtime.storage import is_url
 
 __all__ = ["LossFn", "OptimizerFactory", "TrainResult", "Trainer", "TrainerConfig"]
 
@@ -60,7 +64,7 @@ class TrainResult:
     epoch: int
     loss: float | None
     finished: bool
-    output_path: Path | None
+    output_path: str | None
 
 
 class Trainer:
@@ -83,6 +87,7 @@ class Trainer:
         env: DistEnv | None = None,
         *,
         scheduler_factory: SchedulerFactory | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         events: EventWriter | None = None,
     ) -> None:
         self.config = config
@@ -109,13 +114,24 @@ class Trainer:
         else:
             self.optimizer = optimizer(model.parameters())
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
+        self.scaler = grad_scaler
         self.loss_fn = loss_fn
+        self.saver = SnapshotSaver(
+            config.snapshot_dir,
+            keep=config.snapshot_keep,
+            background=config.snapshot_async,
+            before_commit=self._check_writer,
+            fault=self._crash_drill,
+            on_saved=self._snapshot_saved,
+            on_failed=self._snapshot_failed,
+        )
 
         self.step = 0
         self.epoch = 0
         self.samples_consumed = 0
         self.resumed_from_step: int | None = None
         self._last_snapshot_step: int | None = None
+        self._saving_step: int | None = None
         self._last_loss: float | None = None
         self._window_start = time.monotonic()  # throughput since the last progress report
         self._window_samples = 0
@@ -163,11 +179,11 @@ class Trainer:
         while self.epoch < cfg.max_epochs and not self._stop_requested():
             self._run_epoch(self.epoch)
         if self._stop_requested() and self.epoch < cfg.max_epochs:
-            self._save_snapshot()
+            self._save_snapshot(wait=True)
             if self.rank == 0:
                 logger.info("stopping after step %d as asked (stop_after_steps)", self.step)
             return TrainResult(self.step, self.epoch, self._last_loss, False, None)
-        self._save_snapshot()
+        self._save_snapshot(wait=True)
         loss = (
             mean_across_ranks(self._last_loss, self.device) if self._last_loss is not None else None
         )
@@ -184,6 +200,21 @@ class Trainer:
         """Refuse to commit a file unless this is the job's newest rank 0 (see ``fence``)."""
         if self._writer is not None:
             self._writer.check()
+
+    def _crash_drill(self, point: str) -> None:
+        """Drill: SIGKILL this process at ``point`` of the save at ``snapshot_crash_step``,
+        once per job (a marker file in a local snapshot directory remembers it)."""
+        cfg = self.config
+        if cfg.snapshot_crash_at != point or is_url(cfg.snapshot_dir):
+            return
+        if self._saving_step != cfg.snapshot_crash_step:
+            return
+        marker = Path(cfg.snapshot_dir) / f".crashed-{point}-{self._saving_step}"
+        if marker.exists():
+            return
+        marker.touch()
+        logger.warning("drill: killing rank 0 at %s of the step-%d save", point, self._saving_step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _freeze_drill(self) -> None:
         cfg = self.config
@@ -236,9 +267,16 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.ddp(inputs), targets)
-        loss.backward()
-        self.optimizer.step()
+        if self.scaler is None:
+            loss = self.loss_fn(self.ddp(inputs), targets)
+            loss.backward()
+            self.optimizer.step()
+        else:
+            with torch.autocast(self.device.type, enabled=self.scaler.is_enabled()):
+                loss = self.loss_fn(self.ddp(inputs), targets)
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
         return float(loss.item())
@@ -272,17 +310,26 @@ class Trainer:
             drop_last_batch=self.config.drop_last_batch,
         )
 
-    def _save_snapshot(self) -> None:
-        """Rank 0 writes the state after ``self.step``; no collectives in here."""
-        if self._last_snapshot_step == self.step:
-            return
-        self._last_snapshot_step = self.step
-        if self.rank != 0:
-            return
+    def _save_snapshot(self, wait: bool = False) -> None:
+        """Rank 0 copies the state after ``self.step`` and hands it to the saver; no
+        collectives in here. With ``wait``, the save is on storage when this returns."""
+        if self._last_snapshot_step != self.step:
+            if self.rank == 0:
+                self._submit_snapshot(wait)
+            else:
+                self._last_snapshot_step = self.step
+        if wait and self.rank == 0:
+            self.saver.wait()
+        beat()  # a long save is progress too
+
+    def _submit_snapshot(self, wait: bool) -> None:
+        if wait:
+            self.saver.wait()  # a save still in flight first, so this one is not dropped
         snapshot = capture_state(
             self.model,
             self.optimizer,
             self.scheduler,
+            scaler=self.scaler,
             step=self.step,
             epoch=self.epoch,
             samples_consumed=self.samples_consumed,
@@ -290,27 +337,42 @@ class Trainer:
             seed=self.config.seed,
             device=self.device,
         )
-        path = save_snapshot(
-            self.config.snapshot_dir,
-            snapshot,
-            keep=self.config.snapshot_keep,
-            before_commit=self._check_writer,
-        )
-        beat()  # a long save is progress too
-        size = path.stat().st_size
+        self._saving_step = self.step
+        if self.saver.submit(snapshot):  # a dropped one is not taken: the next save is due
+            self._last_snapshot_step = self.step
+
+    def _snapshot_saved(self, manifest: Manifest, seconds: float, background: bool) -> None:
+        path = self.saver.storage.path_of(manifest.file)
         self.events.emit(
-            EventKind.SNAPSHOT, step=self.step, epoch=self.epoch, path=str(path), bytes=size
+            EventKind.SNAPSHOT,
+            step=manifest.step,
+            epoch=manifest.epoch,
+            world_size=manifest.world_size,
+            path=path,
+            bytes=manifest.size,
+            sha256=manifest.sha256,
+            seconds=round(seconds, 3),
+            background=background,
         )
         logger.info(
-            "snapshot at step %d (epoch %d): %s, %d bytes", self.step, self.epoch, path, size
+            "snapshot at step %d (epoch %d): %s, %d bytes, sha256 %s, %.2f s%s",
+            *(manifest.step, manifest.epoch, path, manifest.size, manifest.sha256[:12], seconds),
+            " in the background" if background else "",
         )
+
+    def _snapshot_failed(self, step: int, error: str) -> None:
+        self.events.emit(EventKind.SNAPSHOT_FAILED, step=step, error=error)
+
+    def _snapshot_skipped(self, step: int, reason: str) -> None:
+        self.events.emit(EventKind.SNAPSHOT_SKIPPED, step=step, reason=reason)
 
     def _load_snapshot(self) -> None:
         """Load the newest snapshot any rank can see into model, optimizer and RNG.
 
         Collective: ranks agree on the newest snapshot any of them can read.
         """
-        snapshot = agree_on_snapshot(load_latest_snapshot(self.config.snapshot_dir))
+        found = load_latest_snapshot(self.config.snapshot_dir, on_skip=self._snapshot_skipped)
+        snapshot = agree_on_snapshot(found[0] if found is not None else None)
         if snapshot is None:
             if self.rank == 0:
                 logger.info("no snapshot in %s: starting fresh", self.config.snapshot_dir)

@@ -75,7 +75,15 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         help="snapshot after every N-th epoch (0: never); "
         "default: $RELAUNCH_SNAPSHOT_EVERY_EPOCHS or 1",
     )
-    run.add_argument("--snapshot-keep", type=int, default=2, help="snapshots kept (default: 2)")
+    run.add_argument(
+        "--snapshot-keep", type=int, help="snapshots kept; default: $RELAUNCH_SNAPSHOT_KEEP or 2"
+    )
+    run.add_argument(
+        "--snapshot-async",
+        type=int,
+        choices=(0, 1),
+        help="1: write snapshots in the background; default: $RELAUNCH_SNAPSHOT_ASYNC or 1",
+    )
     run.add_argument("--output", help="final model path; default: <snapshot dir>/final.pt")
     run.add_argument(
         "--stop-after-steps",
@@ -120,6 +128,9 @@ def trainer_config(
         snapshot_every_steps=args.snapshot_every_steps,
         snapshot_every_epochs=args.snapshot_every_epochs,
         snapshot_keep=args.snapshot_keep,
+        snapshot_async=None if args.snapshot_async is None else bool(args.snapshot_async),
+        snapshot_crash_at=params.crash_in_save or None,
+        snapshot_crash_step=params.crash_in_save_step,
         output_path=args.output,
         stop_after_steps=args.stop_after_steps,
     )

@@ -39,6 +39,15 @@ class CommonParams(BaseModel):
         description="drill: freeze rank freeze_rank after this step, once per job (0: never)",
     )
     freeze_rank: int = Field(default=0, ge=0, le=65535, description="rank the drill freezes")
+    crash_in_save: str = Field(
+        default="",
+        pattern=r"^(|during_write|before_rename|before_manifest)$",
+        description="drill: SIGKILL rank 0 at this point of the save at crash_in_save_step, "
+        "once per job ('' : never)",
+    )
+    crash_in_save_step: int = Field(
+        default=0, ge=0, le=10**9, description="step whose save the crash drill interrupts"
+    )
 
 
 class RegressionParams(CommonParams):

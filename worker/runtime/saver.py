@@ -1,0 +1,133 @@
+"""``SnapshotSaver``: rank 0's snapshot writes, off the training path.
+
+The trainer hands over a ``Snapshot`` whose tensors are already private copies
+(``copy_off``), so training may change the live ones at once. In background
+mode one thread serializes, hashes and writes it while the next steps run, at
+a lower CPU priority than training. At most one save is in flight: a save that
+comes due while the previous one is still writing is dropped (and logged), not
+queued, so a slow disk can never pile up copies in memory.
+
+A save that fails with an I/O error (disk full, a storage error) is reported
+through ``on_failed`` and training goes on; the previous snapshot stays. A
+save refused by the fence (``SnapshotFenced``), or any other error, is raised
+in the training thread at the next ``submit`` or ``wait``: this rank 0 has been
+replaced, or something is wrong that a retry will not fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from worker.runtime.snapshot import Location, Manifest, Snapshot, save_snapshot
+from worker.runtime.storage import open_storage
+
+logger = logging.getLogger(__name__)
+
+WRITER_NICENESS = 10  # added to the writer thread's nice value (Linux: per thread)
+
+Saved = Callable[[Manifest, float, bool], None]
+Failed = Callable[[int, str], None]
+
+
+def copy_off(value: Any) -> Any:
+    """A copy of ``value`` with every tensor detached and copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: copy_off(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [copy_off(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(copy_off(item) for item in value)
+    return value
+
+
+class SnapshotSaver:
+    """Writes one snapshot at a time to ``location``, in a thread if ``background``."""
+
+    def __init__(
+        self,
+        location: Location,
+        *,
+        keep: int,
+        background: bool = True,
+        before_commit: Callable[[], None] | None = None,
+        fault: Callable[[str], None] | None = None,
+        on_saved: Saved | None = None,
+        on_failed: Failed | None = None,
+    ) -> None:
+        self.storage = open_storage(location)
+        self.keep = keep
+        self.background = background
+        self.before_commit = before_commit
+        self.fault = fault
+        self.on_saved = on_saved
+        self.on_failed = on_failed
+        self.dropped = 0  # saves that came due while one was still in flight
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, snapshot: Snapshot) -> bool:
+        """Start saving ``snapshot``; False if one is still in flight (this one is dropped)."""
+        self._raise_pending()
+        if self.in_flight:
+            self.dropped += 1
+            logger.warning(
+                "snapshot at step %d dropped: the previous save is still being written",
+                snapshot.step,
+            )
+            return False
+        if not self.background:
+            self._write(snapshot)
+            self._raise_pending()
+            return True
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, True), name="snapshot-writer", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    def wait(self) -> None:
+        """Block until no save is in flight; raise what a finished save left to raise."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write(self, snapshot: Snapshot, in_thread: bool = False) -> None:
+        if in_thread:
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        started = time.monotonic()
+        try:
+            manifest = save_snapshot(
+                self.storage, snapshot, self.keep, self.before_commit, self.fault
+            )
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            logger.error("snapshot at step %d failed, training goes on: %s", snapshot.step, error)
+            if self.on_failed is not None:
+                self.on_failed(snapshot.step, error)
+            return
+        except BaseException as exc:
+            self._error = exc
+            return
+        if self.on_saved is not None:
+            self.on_saved(manifest, time.monotonic() - started, in_thread)
