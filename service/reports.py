@@ -145,7 +145,6 @@ def _apply_event(
             f"snapshot at step {data.get('step')} failed, training goes on: "
             f"{str(data.get('error', ''))[:500]}",
             event.time,
-            data={"step": _int_or_none(data.get("step")), "error": str(data.get("error"))[:500]},
             **ids,
         )
     elif kind is EventKind.SNAPSHOT_SKIPPED:
@@ -156,7 +155,6 @@ def _apply_event(
             f"snapshot at step {data.get('step')} skipped on resume: "
             f"{str(data.get('reason', ''))[:500]}",
             event.time,
-            data={"step": _int_or_none(data.get("step")), "reason": str(data.get("reason"))[:500]},
             **ids,
         )
     elif kind is EventKind.FINISHED:

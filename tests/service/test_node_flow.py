@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from service.reconciler import Reconciler
@@ -341,3 +342,57 @@ def test_a_restarted_controller_counts_node_silence_from_its_own_start(
     restarted.run_once()
     nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
     assert nodes == {"a": "ALIVE", "b": "LOST"}
+
+
+def test_snapshot_checksums_failures_and_skips_are_recorded(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    a, _ = register(api, "a"), register(api, "b")
+    job_id = submit(api, snapshot={"every_steps": 5, "keep": 3, "background": False})
+    reconciler.run_once()
+    [assignment] = heartbeat(api, a)
+    assert (assignment["snapshot_keep"], assignment["snapshot_async"]) == (3, False)
+    attempt_id = assignment["attempt_id"]
+    digest = "ab" * 32
+    r = report(
+        api,
+        a,
+        attempt_id,
+        events=[
+            event("snapshot_skipped", step=15, reason="checksum mismatch: sha256 0123..."),
+            event(
+                "snapshot",
+                step=10,
+                epoch=0,
+                world_size=2,
+                path="/s/x.pt",
+                bytes=123,
+                sha256=digest,
+                seconds=0.1,
+                background=True,
+            ),
+            event("snapshot_failed", step=20, error="OSError: [Errno 28] No space left on device"),
+            event("snapshot", step=25, epoch=1, path="/s/y.pt", bytes=5, sha256="not-a-digest"),
+        ],
+    )
+    assert r.status_code == 200, r.text
+    rows = api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"]
+    assert [(s["step"], s["sha256"], s["world_size"]) for s in rows] == [
+        (10, digest, 2),
+        (25, None, None),
+    ]
+    events = {e["kind"]: e for e in api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]}
+    assert "checksum mismatch" in events["snapshot_skipped"]["message"]
+    assert events["snapshot_skipped"]["data"]["step"] == 15
+    assert "No space left" in events["snapshot_failed"]["message"]
+    assert events["snapshot_failed"]["data"]["step"] == 20
+
+
+@pytest.mark.parametrize("keep", [0, 1001, "two"])
+def test_a_bad_snapshot_keep_is_refused(api: TestClient, keep: Any) -> None:
+    r = api.post(
+        "/api/v1/jobs",
+        json={"name": "j", "task": {"name": "regression"}, "snapshot": {"keep": keep}},
+    )
+    assert r.status_code == 422, r.text
+    assert "keep" in r.text

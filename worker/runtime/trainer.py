@@ -202,17 +202,19 @@ class Trainer:
             self._writer.check()
 
     def _crash_drill(self, point: str) -> None:
-        """Drill: SIGKILL this process at ``point`` of the save at ``snapshot_crash_step``,
-        once per job (a marker file in a local snapshot directory remembers it)."""
+        """Drill: SIGKILL this process at ``point`` of the first save at or after step
+        ``snapshot_crash_step``, once per job (a marker file in a local snapshot
+        directory remembers it, and names the step)."""
         cfg = self.config
         if cfg.snapshot_crash_at != point or is_url(cfg.snapshot_dir):
             return
-        if self._saving_step != cfg.snapshot_crash_step:
+        step = self._saving_step
+        if step is None or cfg.snapshot_crash_step is None or step < cfg.snapshot_crash_step:
             return
-        marker = Path(cfg.snapshot_dir) / f".crashed-{point}-{self._saving_step}"
-        if marker.exists():
+        directory = Path(cfg.snapshot_dir)
+        if list(directory.glob(f".crashed-{point}-*")):
             return
-        marker.touch()
+        (directory / f".crashed-{point}-{step}").touch()
         logger.warning("drill: killing rank 0 at %s of the step-%d save", point, self._saving_step)
         os.kill(os.getpid(), signal.SIGKILL)
 
