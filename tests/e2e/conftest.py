@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,17 +46,24 @@ def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
 
 
 def wait_terminal(client: RelaunchClient, job_id: int, timeout_s: float = 240) -> dict[str, Any]:
-    try:
+    with dumped_on_failure(client, job_id):
         job: dict[str, Any] = wait_for(
             f"job {job_id} to end",
             lambda: (j := client.job(job_id))["state"] in TERMINAL and j,
             timeout_s,
             POLL_S,
         )
+    return job
+
+
+@contextlib.contextmanager
+def dumped_on_failure(client: RelaunchClient, job_id: int) -> Iterator[None]:
+    """Print the job's state, events and log tail if the block fails an assertion."""
+    try:
+        yield
     except AssertionError:
         dump_job(client, job_id)
         raise
-    return job
 
 
 def dump_job(client: RelaunchClient, job_id: int, lines: int = 60) -> None:

@@ -19,7 +19,13 @@ import pytest
 from service.client import RelaunchClient
 from service.demo import LocalCluster, free_port
 from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, dump_logs, wait_no_processes, wait_terminal
+from tests.e2e.conftest import (
+    POLL_S,
+    dump_logs,
+    dumped_on_failure,
+    wait_no_processes,
+    wait_terminal,
+)
 
 pytestmark = pytest.mark.e2e
 NODE_TIMEOUT_S = 5
@@ -109,14 +115,15 @@ def node_of_rank(cluster: LocalCluster, job_id: int, rank: int) -> str:
 
 def wait_world_size(client: RelaunchClient, job_id: int, size: int, after_step: int = 0) -> None:
     """Until rank 0 reports a training step past ``after_step`` at world size ``size``."""
-    wait_for(
-        f"job {job_id} training at world size {size}",
-        lambda: any(
-            m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
-        ),
-        120,
-        POLL_S,
-    )
+    with dumped_on_failure(client, job_id):
+        wait_for(
+            f"job {job_id} training at world size {size}",
+            lambda: any(
+                m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
+            ),
+            120,
+            POLL_S,
+        )
 
 
 def assert_trained(client: RelaunchClient, job: dict[str, Any]) -> None:
