@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint postgres bench clean
+.PHONY: install demo test lint postgres bench bench-snapshots clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,9 @@ test: install postgres lint
 
 bench: install
 	$(PY) -m bench.recovery
+
+bench-snapshots: install
+	$(PY) -m bench.snapshots
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
