@@ -17,19 +17,32 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 POLL_S = 0.3  # between polls of the controller or the process table
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    data = tmp_path_factory.mktemp("cluster")
-    c = LocalCluster(data_dir=data, port=free_port(), store_port=free_port())
+@contextlib.contextmanager
+def running_cluster(
+    data: Path,
+    agents: tuple[str, ...] = (),
+    snapshot_root: Path | None = None,
+    controller_env: dict[str, str] | None = None,
+) -> Iterator[LocalCluster]:
+    """A controller and ``agents``, stopped (and their logs printed) on the way out."""
+    c = LocalCluster(
+        data_dir=data, port=free_port(), store_port=free_port(), snapshot_root=snapshot_root
+    )
     try:
-        c.start_controller()
-        c.start_agent("node-a")
-        c.start_agent("node-b")
-        c.wait_nodes(2)
+        c.start_controller(controller_env)
+        for name in agents:
+            c.start_agent(name)
+        c.wait_nodes(len(agents))
         yield c
     finally:
         c.stop_all()
         dump_logs(data)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with running_cluster(tmp_path_factory.mktemp("cluster"), ("node-a", "node-b")) as c:
+        yield c
 
 
 def dump_logs(data: Path) -> None:

@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
+from service.demo import LocalCluster
 from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, dump_logs, wait_no_processes, wait_terminal
+from tests.e2e.conftest import POLL_S, running_cluster, wait_no_processes, wait_terminal
+from tests.e2e.test_job_survives import regression_spec
 from worker.runtime.snapshot import list_snapshots
 
 pytestmark = pytest.mark.e2e
@@ -46,18 +47,8 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, snapshot_root: Path
 ) -> Iterator[LocalCluster]:
     data = tmp_path_factory.mktemp("cluster")
-    c = LocalCluster(
-        data_dir=data, port=free_port(), store_port=free_port(), snapshot_root=snapshot_root
-    )
-    try:
-        c.start_controller()
-        c.start_agent("snap-a")
-        c.start_agent("snap-b")
-        c.wait_nodes(2)
+    with running_cluster(data, ("snap-a", "snap-b"), snapshot_root=snapshot_root) as c:
         yield c
-    finally:
-        c.stop_all()
-        dump_logs(data)
 
 
 @pytest.fixture
@@ -67,24 +58,10 @@ def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
 
 
 def spec(name: str, every_steps: int, **params: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "task": {
-            "name": "regression",
-            "params": {
-                "epochs": 4,
-                "samples": 1024,
-                "batch_size": 32,
-                "seed": 11,
-                "step_delay": 0.15,
-                "log_every_steps": 2,
-                **params,
-            },
-        },
-        "nnodes": "2:2",
-        "max_restarts": 3,
-        "snapshot": {"every_steps": every_steps, "keep": 3},
-    }
+    job = regression_spec(name, step_delay=0.15)
+    job["task"]["params"].update(params)
+    job["snapshot"] = {"every_steps": every_steps, "keep": 3}
+    return job
 
 
 def kinds(client: RelaunchClient, job_id: int) -> list[str]:

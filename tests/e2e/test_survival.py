@@ -17,12 +17,12 @@ import psutil
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
+from service.demo import LocalCluster
 from tests.conftest import wait_for
 from tests.e2e.conftest import (
     POLL_S,
-    dump_logs,
     dumped_on_failure,
+    running_cluster,
     wait_no_processes,
     wait_terminal,
 )
@@ -34,13 +34,10 @@ NODE_TIMEOUT_S = 5
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     data = tmp_path_factory.mktemp("survival")
-    c = LocalCluster(data_dir=data, port=free_port(), store_port=free_port())
-    try:
-        c.start_controller({"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)})
+    with running_cluster(
+        data, controller_env={"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)}
+    ) as c:
         yield c
-    finally:
-        c.stop_all()
-        dump_logs(data)
 
 
 @pytest.fixture
