@@ -14,14 +14,20 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from tests.worker.test_runtime_snapshot import make_snapshot
 from tests.worker.test_runtime_trainer import assert_same_state, final_state, train
 from worker.runtime import saver as saver_module
+from worker.runtime.config import TrainerConfig
+from worker.runtime.env import DistEnv
 from worker.runtime.fence import SnapshotFenced
 from worker.runtime.saver import SnapshotSaver, copy_off
+from worker.runtime.setup import seed_everything
 from worker.runtime.snapshot import Manifest, list_snapshots, load_latest_snapshot
 from worker.runtime.state import capture_state, restore_state
+from worker.runtime.trainer import Trainer
+from worker.tasks import regression
 
 
 class Recorder:
@@ -210,3 +216,32 @@ def test_resuming_mid_epoch_neither_skips_nor_repeats_a_sample(
     assert sorted(epoch1) == list(range(96)), "each sample of the interrupted epoch once"
     assert sorted(s for e, s in after if e == 2) == list(range(96))
     assert sorted(s for e, s in before if e == 0) == list(range(96))
+
+
+def test_a_resumed_trainer_restores_its_grad_scaler(tmp_path: Path) -> None:
+    def trainer(scaler: torch.amp.GradScaler, **overrides: Any) -> Trainer:
+        seed_everything(3)
+        dataset, _, _ = regression.make_dataset(64, features=4, noise=0.1)
+        config = TrainerConfig(
+            max_epochs=2, batch_size=8, lr=0.05, seed=3, snapshot_dir=str(tmp_path),
+            snapshot_async=False, **overrides,
+        )  # fmt: skip
+        return Trainer(
+            nn.Linear(4, 1),
+            lambda ps: torch.optim.SGD(ps, lr=0.05),
+            dataset,
+            nn.functional.mse_loss,
+            config,
+            DistEnv(),
+            grad_scaler=scaler,
+        )
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    assert trainer(scaler).train().finished
+    saved = scaler.state_dict()
+    assert saved["scale"] != 256.0  # it grew while training
+    fresh = torch.amp.GradScaler("cpu")
+    resumed = trainer(fresh)
+    assert resumed.resumed_from_step == 16
+    assert fresh.state_dict() == saved
+    assert resumed.train().step == 16  # nothing left to train; ends the process group

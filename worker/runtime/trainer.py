@@ -381,7 +381,9 @@ class Trainer:
             return
         if snapshot.seed != self.config.seed and self.rank == 0:
             logger.warning("snapshot seed %d differs from seed %d", snapshot.seed, self.config.seed)
-        restore_state(snapshot, self.model, self.optimizer, self.scheduler, self.device)
+        restore_state(
+            snapshot, self.model, self.optimizer, self.scheduler, self.device, self.scaler
+        )
         self.step = self._last_snapshot_step = snapshot.step
         self.resumed_from_step = snapshot.step
         self.epoch = snapshot.epoch
