@@ -235,7 +235,7 @@ sys.path.insert(0, {repo!r})
 from tests.worker.test_runtime_snapshot import make_snapshot
 from worker.runtime.snapshot import save_snapshot
 
-def fault(point):
+def fault(point, step):
     if point == {point!r}:
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from worker.runtime.snapshot import Location, Manifest, Snapshot, save_snapshot
+from worker.runtime.snapshot import Fault, Location, Manifest, Snapshot, save_snapshot
 from worker.runtime.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class SnapshotSaver:
         keep: int,
         background: bool = True,
         before_commit: Callable[[], None] | None = None,
-        fault: Callable[[str], None] | None = None,
+        fault: Fault | None = None,
         on_saved: Saved | None = None,
         on_failed: Failed | None = None,
     ) -> None:

@@ -45,6 +45,7 @@ _DATA_RE = re.compile(r"^snapshot-(\d{9})-[0-9a-f]{8}\.pt$")
 # write, after the data is durable but before its rename, and between the data
 # file's rename and the manifest's.
 FAULT_POINTS = ("during_write", "before_rename", "before_manifest")
+Fault = Callable[[str, int], None]  # (point, step of the snapshot being saved)
 
 Location = str | os.PathLike[str] | Storage
 
@@ -188,22 +189,18 @@ class _HashingWriter:
         self._handle.flush()
 
 
-def _no_fault(point: str) -> None:
-    pass
-
-
 def save_snapshot(
     location: Location,
     snapshot: Snapshot,
     keep: int = 2,
     before_commit: Callable[[], None] | None = None,
-    fault: Callable[[str], None] | None = None,
+    fault: Fault | None = None,
 ) -> Manifest:
     """Write ``snapshot`` (data, then manifest) and prune; return its manifest.
 
     ``before_commit`` runs before each of the two files becomes visible (a
-    fence that raises to refuse the write, see ``fence``); ``fault(point)`` is
-    called at each of ``FAULT_POINTS``, for drills. Once the manifest is
+    fence that raises to refuse the write, see ``fence``); ``fault(point, step)``
+    is called at each of ``FAULT_POINTS``, for drills. Once the manifest is
     committed and the data file's size checked, older snapshots are removed so
     that this one and the ``keep - 1`` newest older ones remain; snapshots with
     a higher step than this one (a stale writer's, or ones that failed to load)
@@ -213,7 +210,11 @@ def save_snapshot(
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     storage = open_storage(location)
-    hook = fault or _no_fault
+
+    def hook(point: str) -> None:
+        if fault is not None:
+            fault(point, snapshot.step)
+
     storage.remove_stale_temporaries()
     data_name = f"snapshot-{snapshot.step:09d}-{secrets.token_hex(4)}.pt"
     hashed: list[_HashingWriter] = []

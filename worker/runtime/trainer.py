@@ -131,7 +131,6 @@ class Trainer:
         self.samples_consumed = 0
         self.resumed_from_step: int | None = None
         self._last_snapshot_step: int | None = None
-        self._saving_step: int | None = None
         self._last_loss: float | None = None
         self._window_start = time.monotonic()  # throughput since the last progress report
         self._window_samples = 0
@@ -201,21 +200,20 @@ class Trainer:
         if self._writer is not None:
             self._writer.check()
 
-    def _crash_drill(self, point: str) -> None:
+    def _crash_drill(self, point: str, step: int) -> None:
         """Drill: SIGKILL this process at ``point`` of the first save at or after step
         ``snapshot_crash_step``, once per job (a marker file in a local snapshot
         directory remembers it, and names the step)."""
         cfg = self.config
         if cfg.snapshot_crash_at != point or is_url(cfg.snapshot_dir):
             return
-        step = self._saving_step
-        if step is None or cfg.snapshot_crash_step is None or step < cfg.snapshot_crash_step:
+        if cfg.snapshot_crash_step is None or step < cfg.snapshot_crash_step:
             return
         directory = Path(cfg.snapshot_dir)
         if list(directory.glob(f".crashed-{point}-*")):
             return
         (directory / f".crashed-{point}-{step}").touch()
-        logger.warning("drill: killing rank 0 at %s of the step-%d save", point, self._saving_step)
+        logger.warning("drill: killing rank 0 at %s of the step-%d save", point, step)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _freeze_drill(self) -> None:
@@ -339,7 +337,6 @@ class Trainer:
             seed=self.config.seed,
             device=self.device,
         )
-        self._saving_step = self.step
         if self.saver.submit(snapshot):  # a dropped one is not taken: the next save is due
             self._last_snapshot_step = self.step
 
