@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -251,12 +251,17 @@ def save_snapshot(
     return manifest
 
 
+def _manifest_names(names: Iterable[str]) -> list[tuple[int, str]]:
+    """``(step, name)`` of every manifest file among ``names``, oldest first."""
+    return sorted((int(m.group(1)), name) for name in names if (m := _MANIFEST_RE.match(name)))
+
+
 def prune(location: Location, keep: int, committed_step: int) -> None:
     """Keep the ``keep`` newest snapshots up to ``committed_step``; drop older ones and
     data files that no manifest names below that step (crash leftovers)."""
     storage = open_storage(location)
     names = storage.names()
-    manifests = sorted((int(m.group(1)), name) for name in names if (m := _MANIFEST_RE.match(name)))
+    manifests = _manifest_names(names)
     up_to = [(step, name) for step, name in manifests if step <= committed_step]
     doomed = up_to[: max(0, len(up_to) - keep)]
     kept_files: set[str] = set()
@@ -282,15 +287,12 @@ def list_snapshots(location: Location) -> list[tuple[int, Manifest]]:
     """
     storage = open_storage(location)
     found = []
-    for name in storage.names():
-        match = _MANIFEST_RE.match(name)
-        if not match:
-            continue
+    for step, name in _manifest_names(storage.names()):
         try:
-            found.append((int(match.group(1)), Manifest.from_json(storage.read(name))))
+            found.append((step, Manifest.from_json(storage.read(name))))
         except (OSError, ValueError):
             continue
-    return sorted(found, key=lambda item: item[0])
+    return found
 
 
 SkipReporter = Callable[[int, str], None]
@@ -307,11 +309,7 @@ def load_latest_snapshot(
     check, or does not load with ``weights_only=True`` onto the CPU.
     """
     storage = open_storage(location)
-    candidates = sorted(
-        ((int(m.group(1)), name) for name in storage.names() if (m := _MANIFEST_RE.match(name))),
-        reverse=True,
-    )
-    for step, name in candidates:
+    for step, name in reversed(_manifest_names(storage.names())):
         try:
             manifest = Manifest.from_json(storage.read(name))
             snapshot = _read_verified(storage, manifest)
