@@ -137,26 +137,10 @@ def _apply_event(
             event.time,
             **ids,
         )
-    elif kind is EventKind.SNAPSHOT_FAILED:
-        add_event(
-            session,
-            job.id,
-            "snapshot_failed",
-            f"snapshot at step {data.get('step')} failed, training goes on: "
-            f"{str(data.get('error', ''))[:500]}",
-            event.time,
-            **ids,
-        )
-    elif kind is EventKind.SNAPSHOT_SKIPPED:
-        add_event(
-            session,
-            job.id,
-            "snapshot_skipped",
-            f"snapshot at step {data.get('step')} skipped on resume: "
-            f"{str(data.get('reason', ''))[:500]}",
-            event.time,
-            **ids,
-        )
+    elif kind in _SNAPSHOT_TROUBLE:
+        name, what, field = _SNAPSHOT_TROUBLE[kind]
+        message = f"snapshot at step {data.get('step')} {what}: {str(data.get(field, ''))[:500]}"
+        add_event(session, job.id, name, message, event.time, **ids)
     elif kind is EventKind.FINISHED:
         job.last_step = int(data.get("step", job.last_step or 0))
         add_event(
@@ -340,6 +324,14 @@ def _record_stopped(
         node_id=node.id,
         data={"clean": exit.clean, "outcome": exit.outcome},
     )
+
+
+# Runtime events about a snapshot that was not written or not used:
+# (timeline kind, what happened, the data field that says why).
+_SNAPSHOT_TROUBLE = {
+    EventKind.SNAPSHOT_FAILED: ("snapshot_failed", "failed, training goes on", "error"),
+    EventKind.SNAPSHOT_SKIPPED: ("snapshot_skipped", "skipped on resume", "reason"),
+}
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.runtime.storage import is_url
 
 
 def _default_data_dir() -> Path:
@@ -73,7 +74,7 @@ class ControllerSettings(BaseSettings):
 
     @property
     def snapshots_are_local(self) -> bool:
-        return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", self.snapshots) is None
+        return not is_url(self.snapshots)
 
     @property
     def store_endpoint(self) -> str:
