@@ -24,12 +24,26 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # Let SQLAlchemy, not the driver, say when a transaction begins (see _sqlite_begin).
+    dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    """Take SQLite's write lock when a transaction begins, not at its first write.
+
+    The driver would otherwise run a transaction's reads outside it and begin
+    only at the first write, so two read-check-write transactions (take the
+    lease, place a job on free nodes) could both pass their check. With
+    ``BEGIN IMMEDIATE`` they run one after the other, as PostgreSQL's row locks
+    make them; a waiting writer waits up to the busy timeout.
+    """
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def normalize_url(url: str) -> str:
@@ -51,6 +65,7 @@ def make_engine(url: str) -> Engine:
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
         )
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 

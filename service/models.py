@@ -202,3 +202,19 @@ class LogEntry(Base):
     local_rank: Mapped[int | None] = mapped_column(Integer)
     stream: Mapped[str] = mapped_column(String(8))
     line: Mapped[str] = mapped_column(Text)
+
+
+class ControllerLease(Base):
+    """Who may act: the one controller whose reconciler places, re-forms and fails jobs.
+
+    One row per lease name, made by the migration. ``term`` grows by one at
+    every change of holder; it is the fencing token an action checks.
+    """
+
+    __tablename__ = "controller_leases"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    term: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime]
+    renewed_at: Mapped[datetime]

@@ -28,6 +28,7 @@ from service.attempts import (
 from service.db import transaction
 from service.errors import StaleState
 from service.jobs import add_event, change_job_state, count_membership_change, get_job
+from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
 from service.schemas import JobSpec
@@ -218,25 +219,56 @@ class Reconciler:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Heartbeats sent while this controller was down could not arrive: a node's
-        # silence counts from this controller's start at the earliest.
-        self._started_at = clock()
+        self._leadership: Leadership | None = None
+        # Set when this controller takes the lease: heartbeats sent while no
+        # controller acted may not have arrived, so a node's silence counts from
+        # then at the earliest.
+        self._leading_since = clock()
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership is not None
 
     def run_once(self) -> list[Action]:
+        """One pass: renew (or take) the lease, then plan and apply; a standby does nothing."""
         now = self._clock()
+        leadership = self._lead(now)
+        if leadership is None:
+            return []
         with transaction(self._factory) as session:
             nodes, jobs = load_views(session)
         nodes = [
-            replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._started_at)) for n in nodes
+            replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
+            for n in nodes
         ]
         actions = plan(now, nodes, jobs, timedelta(seconds=self._settings.node_timeout_s))
         for action in actions:
             try:
                 with transaction(self._factory) as session:
+                    hold(session, leadership, self._clock())
                     self.apply(session, action, now)
+            except LeaseLost as exc:
+                logger.warning("controller %s stops acting: %s", leadership.holder, exc)
+                self._leadership = None
+                break
             except StaleState as exc:
                 logger.info("skipped %s: %s", action, exc)
         return actions
+
+    def _lead(self, now: datetime) -> Leadership | None:
+        me = self._settings.controller_id
+        with transaction(self._factory) as session:
+            leadership = acquire(session, me, now, self._settings.leader_lease_s)
+        if leadership is None:
+            if self._leadership is not None:
+                logger.warning("controller %s lost the lease; standing by", me)
+            self._leadership = None
+            return None
+        if self._leadership is None or self._leadership.term != leadership.term:
+            logger.info("controller %s leads (term %d)", me, leadership.term)
+            self._leading_since = now
+        self._leadership = leadership
+        return leadership
 
     def apply(self, session: Session, action: Action, now: datetime) -> None:
         if isinstance(action, MarkNodeLost):
@@ -353,9 +385,18 @@ class Reconciler:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop and hand the lease back, so a standby takes over at once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._leadership is None:
+            return
+        try:
+            with transaction(self._factory) as session:
+                release(session, self._settings.controller_id, self._clock())
+        except Exception:
+            logger.exception("could not release the lease; a standby waits for it to expire")
+        self._leadership = None
 
     def _loop(self) -> None:
         while not self._stop.is_set():

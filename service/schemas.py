@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -355,3 +355,9 @@ class SnapshotsPublic(BaseModel):
 class Health(BaseModel):
     status: str
     database: str
+    controller: str = Field(description="This controller's id in the leader lease")
+    role: Literal["leader", "standby"] = Field(
+        description="leader: this controller places and re-forms jobs; standby: it serves the "
+        "API and takes over when the leader's lease expires"
+    )
+    leader: str | None = Field(description="The controller that holds the lease now, if any")

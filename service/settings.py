@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, model_validator
@@ -12,6 +15,11 @@ from worker.runtime.storage import is_url
 
 def _default_data_dir() -> Path:
     return Path.home() / ".relaunch"
+
+
+def _default_controller_id() -> str:
+    """Unique per process: two controllers on one host must never share an id."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class ControllerSettings(BaseSettings):
@@ -47,6 +55,20 @@ class ControllerSettings(BaseSettings):
     node_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     reconcile_interval_s: float = Field(default=0.5, gt=0, le=60)
 
+    controller_id: str = Field(
+        default_factory=_default_controller_id,
+        min_length=1,
+        max_length=255,
+        description="Names this controller in the leader lease (default: host-pid-random)",
+    )
+    leader_lease_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="How long the acting controller's lease lasts without renewal; a standby "
+        "controller on the same database takes over this long after the leader dies",
+    )
+
     rdzv_last_call_timeout_s: int = Field(default=2, ge=0, le=600)
     rdzv_join_timeout_s: int = Field(default=600, ge=1, le=86400)
     rdzv_keep_alive_interval_s: int = Field(default=2, ge=1, le=60)
@@ -54,6 +76,12 @@ class ControllerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> ControllerSettings:
+        if self.leader_lease_s < 3 * self.reconcile_interval_s:
+            raise ValueError(
+                f"leader_lease_s ({self.leader_lease_s:g}) must be at least three reconcile "
+                f"intervals ({3 * self.reconcile_interval_s:g}), or the leader loses its lease "
+                "between two renewals"
+            )
         if self.database_url is None:
             self.database_url = f"sqlite:///{self.data_dir / 'relaunch.db'}"
         if self.snapshot_root is None:

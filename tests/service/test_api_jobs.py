@@ -7,6 +7,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.reconciler import Reconciler
+from service.settings import ControllerSettings
+
 VALID: dict[str, Any] = {
     "name": "reg",
     "task": {"name": "regression", "params": {"epochs": 2}},
@@ -113,8 +116,21 @@ def test_cancel_is_idempotent(api: TestClient) -> None:
     assert kinds.count("cancelled") == 1
 
 
-def test_healthz(api: TestClient) -> None:
-    assert api.get("/healthz").json() == {"status": "ok", "database": "ok"}
+def test_healthz_says_which_controller_leads(
+    api: TestClient, reconciler: Reconciler, settings: ControllerSettings
+) -> None:
+    me = settings.controller_id
+    before = api.get("/healthz").json()
+    assert before == {
+        "status": "ok",
+        "database": "ok",
+        "controller": me,
+        "role": "standby",
+        "leader": None,
+    }
+    reconciler.run_once()
+    after = api.get("/healthz").json()
+    assert (after["role"], after["leader"]) == ("leader", me)
 
 
 def test_openapi_lists_the_routes(api: TestClient) -> None:

@@ -326,19 +326,28 @@ def test_a_restarted_controller_sees_the_same_world(
 def test_a_restarted_controller_counts_node_silence_from_its_own_start(
     api: TestClient, reconciler: Reconciler, clock: FakeClock, settings: ControllerSettings
 ) -> None:
-    """Heartbeats sent while the controller was down never arrived: that is no node's fault."""
+    """Heartbeats sent while no controller was up never arrived: that is no node's fault.
+
+    The restarted controller is a new process with a new id: it takes the lease
+    over once the dead one's has expired, and counts silence from then.
+    """
     a, _ = register(api, "a"), register(api, "b")
     job_id = submit(api, "2:2")
     reconciler.run_once()
     clock.advance(60)  # the controller was down for a minute
     factory = api.app.state.session_factory  # type: ignore[attr-defined]
-    restarted = Reconciler(factory, settings, clock)
+    restarted = Reconciler(factory, settings.model_copy(update={"controller_id": "new"}), clock)
     clock.advance(5)
     restarted.run_once()
+    assert restarted.is_leader
     assert {n["state"] for n in api.get("/api/v1/nodes").json()["items"]} == {"ALIVE"}
     assert job(api, job_id)["state"] == "RUNNING"
     heartbeat(api, a)
-    clock.advance(6)  # b silent for 11 s since the restart > 10 s timeout
+    clock.advance(6)
+    restarted.run_once()
+    assert {n["state"] for n in api.get("/api/v1/nodes").json()["items"]} == {"ALIVE"}
+    heartbeat(api, a)
+    clock.advance(5)  # b silent for 11 s since the takeover > 10 s timeout
     restarted.run_once()
     nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
     assert nodes == {"a": "ALIVE", "b": "LOST"}

@@ -27,9 +27,10 @@ def test_a_stale_state_change_is_refused_and_changes_nothing(
 ) -> None:
     job_id = _pending_job(api)
     factory = api.app.state.session_factory  # type: ignore[attr-defined]
-    with pytest.raises(StaleState), transaction(factory) as session:
+    with transaction(factory) as session:
         job = get_job(session, job_id)  # read as PENDING
-        reconciler.run_once()  # placed by another transaction meanwhile
+    reconciler.run_once()  # placed by another transaction meanwhile
+    with pytest.raises(StaleState), transaction(factory) as session:
         change_job_state(session, job, JobState.FAILED, clock(), message="stale writer")
     detail = api.get(f"/api/v1/jobs/{job_id}").json()
     assert (detail["state"], detail["message"]) == ("RUNNING", "")
@@ -39,17 +40,19 @@ def test_a_cancel_that_loses_to_placement_retries_and_cancels(
     api: TestClient, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     job_id = _pending_job(api)
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with transaction(factory) as session:
+        stale = get_job(session, job_id)  # read as PENDING ...
+    reconciler.run_once()  # ... then placed before the cancel writes
     tries: list[JobState] = []
 
     def cancel(session: Session) -> Job:
-        job = get_job(session, job_id)
-        tries.append(job.state)
-        if len(tries) == 1:  # the placement lands between the read and the write
-            reconciler.run_once()
-            change_job_state(session, job, JobState.CANCELLED, clock())
+        if not tries:  # the first try acts on what it read before the placement
+            tries.append(stale.state)
+            change_job_state(session, stale, JobState.CANCELLED, clock())
+        tries.append(get_job(session, job_id).state)
         return cancel_job(session, job_id, clock())
 
-    factory = api.app.state.session_factory  # type: ignore[attr-defined]
     job = retry_on_stale(factory, cancel)
     assert tries == [JobState.PENDING, JobState.RUNNING]
     assert job.state is JobState.CANCELLED
