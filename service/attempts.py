@@ -133,9 +133,11 @@ def end_attempt(
     logger.info("job=%s attempt=%s ended %s: %s", attempt.job_id, attempt.id, new, result)
 
 
-def drop_member(session: Session, member: AttemptMember, now: datetime, why: str) -> None:
+def drop_member(
+    session: Session, member: AttemptMember, now: datetime, why: str, exit_code: int | None = None
+) -> None:
     """End a node's part in a running attempt; the others re-form without it."""
-    if end_member(session, member, MemberState.LEFT, now):
+    if end_member(session, member, MemberState.LEFT, now, exit_code):
         attempt = member.attempt
         changes = count_membership_change(session, attempt.job_id)
         add_event(

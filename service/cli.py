@@ -6,11 +6,12 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 import yaml
-from pydantic import ValidationError
+from pydantic import AliasChoices, ValidationError
+from pydantic_settings import BaseSettings
 from rich.console import Console
 from rich.table import Table
 
@@ -48,6 +49,34 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 
 
+def _explain_settings(cls: type[BaseSettings], exc: ValidationError) -> str:
+    """Name the environment variable behind each bad value, and say what it must be."""
+    prefix = cls.model_config.get("env_prefix", "")
+    lines = []
+    for error in exc.errors():
+        message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:
+            lines.append(f"  {message}")
+            continue
+        name = str(error["loc"][0])
+        field = cls.model_fields.get(name)
+        alias = field.validation_alias if field else None
+        env = alias.choices[0] if isinstance(alias, AliasChoices) else f"{prefix}{name}".upper()
+        lines.append(f"  {env}={error.get('input')!r}: {message}")
+    return "\n".join(lines)
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def _load_settings(cls: type[S], what: str, **overrides: Any) -> S:
+    """The settings from the environment (and ``overrides``), or exit 2 saying what is wrong."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        raise _fail(f"bad {what} settings:\n{_explain_settings(cls, exc)}") from exc
+
+
 def _fail(message: str) -> typer.Exit:
     err_console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code=2)
@@ -75,10 +104,7 @@ def server(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
-    try:
-        settings = ControllerSettings(**overrides)
-    except ValidationError as exc:
-        raise _fail(f"bad controller settings:\n{exc}") from exc
+    settings = _load_settings(ControllerSettings, "controller", **overrides)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -115,11 +141,54 @@ def agent(
     ):
         if value is not None:
             overrides[key] = value
-    try:
-        settings = AgentSettings(**overrides)
-    except ValidationError as exc:
-        raise _fail(f"bad agent settings:\n{exc}") from exc
+    settings = _load_settings(AgentSettings, "agent", **overrides)
     run_agent(settings)
+
+
+@app.command()
+def healthcheck(
+    role: Annotated[
+        str | None,
+        typer.Option(
+            help="controller or agent; default: agent when RELAUNCH_AGENT_CONTROLLER_URL is set"
+        ),
+    ] = None,
+    max_age_s: Annotated[float, typer.Option(help="How stale an agent's loop may be")] = 30.0,
+) -> None:
+    """Exit 0 if this host's controller or agent is healthy (the image's HEALTHCHECK).
+
+    A controller is healthy when its /healthz answers (leader or standby); an
+    agent when its loop has turned in the last ``max_age_s`` seconds, whether
+    or not the controller answers.
+    """
+    import os
+
+    import httpx
+
+    from service.settings import ControllerSettings
+    from worker.settings import AgentSettings
+
+    role = role or ("agent" if os.environ.get("RELAUNCH_AGENT_CONTROLLER_URL") else "controller")
+    if role == "agent":
+        agent_settings = _load_settings(AgentSettings, "agent")
+        try:
+            age = time.time() - agent_settings.alive_file.stat().st_mtime
+        except OSError as exc:
+            raise _fail(f"the agent has not started its loop: {exc}") from exc
+        if age > max_age_s:
+            raise _fail(f"the agent's loop last turned {age:.0f} s ago")
+        return
+    if role != "controller":
+        raise _fail(f"--role must be controller or agent, got {role!r}")
+    settings = _load_settings(ControllerSettings, "controller")
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    try:
+        reply = httpx.get(f"http://{host}:{settings.port}/healthz", timeout=5.0)
+    except httpx.HTTPError as exc:
+        raise _fail(f"the controller does not answer: {exc}") from exc
+    if reply.status_code != 200:
+        raise _fail(f"the controller answers {reply.status_code}: {reply.text[:200]}")
+    console.print(reply.json())
 
 
 def _load_spec_file(path: Path) -> dict[str, Any]:

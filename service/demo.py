@@ -84,9 +84,11 @@ class LocalCluster:
     def job_workers(self, job_id: int) -> list[psutil.Process]:
         return job_worker_processes(self.snapshot_dir(job_id))
 
-    def _spawn(
+    def spawn(
         self, name: str, args: list[str], env: dict[str, str], prefix: list[str] | None = None
     ) -> None:
+        """Run ``relaunch ARGS`` as process ``name`` with ``env`` added; its output goes to
+        ``name.log``."""
         log_dir = self.log_dir or self.data_dir
         log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(
@@ -107,7 +109,7 @@ class LocalCluster:
             **({"RELAUNCH_SNAPSHOT_ROOT": str(self.snapshot_root)} if self.snapshot_root else {}),
             **(extra_env or {}),
         }
-        self._spawn("controller", ["server"], env)
+        self.spawn("controller", ["server"], env)
         self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
@@ -134,7 +136,7 @@ class LocalCluster:
         args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
         if address is not None:
             args += ["--address", address]
-        self._spawn(name, args, {}, prefix)
+        self.spawn(name, args, {}, prefix)
 
     def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -110,6 +110,24 @@ def list_nodes(session: Session) -> list[tuple[Node, Attempt | None]]:
     return [(node, serving.get(node.id)) for node in nodes]
 
 
+def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:
+    """ALIVE → LOST at once, for an agent that says it is stopping: the other members
+    re-form without waiting out the heartbeat timeout. The node comes back by registering."""
+    get_node(session, node_id)
+    result = session.execute(
+        update(Node)
+        .where(Node.id == node_id, Node.state == NodeState.ALIVE)
+        .values(state=NodeState.LOST)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    logger.info("node=%s left: %s", node_id, reason)
+    for member in memberships(session, node_id):
+        drop_member(session, member, now, reason)
+    return True
+
+
 def mark_lost(session: Session, node_id: int, seen_before: datetime, now: datetime) -> bool:
     """ALIVE → LOST, only if no heartbeat arrived since ``seen_before`` (compare-and-set)."""
     result = session.execute(

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.attempts import end_attempt, end_member, find_member
+from service.attempts import drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
 from service.jobs import add_event, change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
@@ -253,8 +253,13 @@ def _apply_exit(
     session: Session, job: Job, member: AttemptMember, exit: AttemptExit, now: datetime
 ) -> None:
     attempt, node = member.attempt, member.node
-    new_member_state = MemberState.LEFT if exit.outcome == "stopped" else MemberState.EXITED
-    end_member(session, member, new_member_state, now, exit.exit_code)
+    if exit.outcome == "stopped" and attempt.state is AttemptState.RUNNING:
+        # The node's agent stopped its part of a live attempt (it is shutting down):
+        # a membership change, and the other nodes re-form without it.
+        drop_member(session, member, now, "its agent stopped it", exit.exit_code)
+    else:
+        new_member_state = MemberState.LEFT if exit.outcome == "stopped" else MemberState.EXITED
+        end_member(session, member, new_member_state, now, exit.exit_code)
     ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id}
     if exit.outcome == "succeeded":
         add_event(session, job.id, "node_finished", f"node {node.name} finished", now, **ids)

@@ -33,7 +33,16 @@ class ControllerSettings(BaseSettings):
         validation_alias=AliasChoices("DATABASE_URL", "RELAUNCH_DATABASE_URL"),
         description="SQLAlchemy URL; default: a SQLite file in data_dir",
     )
-    host: str = "127.0.0.1"
+    database_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="How long the controller waits at start for the database to answer",
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address the API listens on; loopback unless you choose otherwise",
+    )
     port: int = Field(default=8080, ge=0, le=65535)
 
     store_host: str = Field(

@@ -37,7 +37,7 @@ from worker.client import (
     FencedError,
     UnknownNodeError,
 )
-from worker.protocol import Assignment, Heartbeat, NodeRegister
+from worker.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister
 from worker.settings import AgentSettings
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ MAX_EVENTS_PER_REPORT = 1000
 MAX_REPORTS_PER_TICK = 10
 _REMEMBERED_FINISHED = 4096
 _REGISTER_BACKOFF_MAX_S = 10.0
+ALIVE_EVERY_S = 1.0
 _DEFAULT_HEARTBEAT_S = 1.0
 
 
@@ -96,6 +97,7 @@ class NodeAgent:
         self._next_heartbeat = 0.0
         self._next_report = 0.0
         self._next_register = 0.0
+        self._next_alive = 0.0
         self._register_backoff_s = 0.5
 
     @property
@@ -160,6 +162,19 @@ class NodeAgent:
         if now >= self._next_report:
             self._next_report = now + self._settings.report_interval_s
             self._report_all()
+        if now >= self._next_alive:
+            self._next_alive = now + ALIVE_EVERY_S
+            self._mark_alive()
+
+    def _mark_alive(self) -> None:
+        """Show the loop turns, whether or not the controller answers (container health)."""
+        try:
+            self._settings.alive_file.parent.mkdir(parents=True, exist_ok=True)
+            self._settings.alive_file.touch()
+        except OSError as exc:
+            logger.warning(
+                "node=%s cannot touch %s: %s", self._settings.name, self._settings.alive_file, exc
+            )
 
     def _register(self, now: float) -> None:
         body = NodeRegister(
@@ -268,6 +283,17 @@ class NodeAgent:
         del self._attempts[attempt.attempt_id]
         self._finished.append(attempt.attempt_id)
 
+    def _leave(self, node_id: int) -> None:
+        """Tell the controller this node is going, so its jobs re-form at once."""
+        try:
+            self._client.leave(node_id, NodeLeave())
+        except ControllerError as exc:
+            logger.warning(
+                "node=%s could not say it is leaving (it will time out instead): %s",
+                self._settings.name,
+                exc,
+            )
+
     def _shutdown(self) -> None:
         attempts = list(self._attempts.values())
         for attempt in attempts:
@@ -277,6 +303,7 @@ class NodeAgent:
         if self._node_id is not None:
             for attempt in attempts:
                 self._deliver(attempt, self._node_id)
+            self._leave(self._node_id)
         self._ledger.write(
             {a.attempt_id: a.ledger_entries() for a in attempts if a.ledger_entries()}
         )

@@ -24,6 +24,8 @@ from worker.protocol import (
     AttemptReport,
     Heartbeat,
     HeartbeatReply,
+    NodeLeave,
+    NodeLeft,
     NodeRegister,
     NodeRegistered,
     ReportAccepted,
@@ -103,6 +105,9 @@ class ControllerClient:
             if exc.status_code == 409:
                 raise FencedError(str(exc), 409) from exc
             raise
+
+    def leave(self, node_id: int, body: NodeLeave) -> NodeLeft:
+        return self._call(f"/nodes/{node_id}/leave", body, NodeLeft)
 
     def _call(self, path: str, body: BaseModel, reply_type: type[_M]) -> _M:
         response = self._post(path, body)

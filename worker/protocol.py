@@ -190,3 +190,13 @@ class AttemptReport(BaseModel):
 
 class ReportAccepted(BaseModel):
     accepted: bool
+
+
+class NodeLeave(BaseModel):
+    """An agent that is stopping (SIGTERM: ``docker stop``, a scale-down) says so."""
+
+    reason: str = Field(default="the node agent stopped", max_length=200)
+
+
+class NodeLeft(BaseModel):
+    left: bool = Field(description="False if the node was already LOST")

@@ -42,7 +42,8 @@ class AgentSettings(BaseSettings):
         default="127.0.0.1",
         min_length=1,
         max_length=255,
-        description="Address other nodes use to reach this one (torchrun --local-addr)",
+        description="Address other nodes use to reach this one (torchrun --local-addr); "
+        "'auto': what this host's name resolves to, as in a container",
     )
     slots: int = Field(default=1, ge=1, le=1024)
     work_dir: Path = Field(
@@ -64,10 +65,27 @@ class AgentSettings(BaseSettings):
             raise ValueError(f"controller_url must be an http(s) URL, got {value!r}")
         return value.rstrip("/")
 
+    @field_validator("address")
+    @classmethod
+    def _resolve_auto_address(cls, value: str) -> str:
+        if value != "auto":
+            return value
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError as exc:
+            raise ValueError(
+                f"address 'auto' needs this host's name to resolve ({exc}); give the address"
+            ) from exc
+
     @field_validator("work_dir")
     @classmethod
     def _expand_work_dir(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @property
+    def alive_file(self) -> Path:
+        """Touched by the agent's loop every second; the container health check reads it."""
+        return self.work_dir / "agent.alive"
 
     @property
     def worker_shutdown_timeout_s(self) -> int:

@@ -36,7 +36,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        wait_for_database(engine)
+        wait_for_database(engine, settings.database_wait_s)
         upgrade_to_head(settings.db_url)
         if settings.snapshots_are_local:
             Path(settings.snapshots).mkdir(parents=True, exist_ok=True)

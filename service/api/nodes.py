@@ -12,6 +12,8 @@ from worker.protocol import (
     AttemptReport,
     Heartbeat,
     HeartbeatReply,
+    NodeLeave,
+    NodeLeft,
     NodeRegister,
     NodeRegistered,
     ReportAccepted,
@@ -40,6 +42,12 @@ def report(node_id: int, body: AttemptReport, factory: FactoryDep, now: NowDep) 
     """409 means fenced (stop the attempt); 503 means retry later."""
     retry_on_stale(factory, lambda s: reports.handle_report(s, node_id, body, now))
     return ReportAccepted(accepted=True)
+
+
+@router.post("/{node_id}/leave", response_model=NodeLeft)
+def leave(node_id: int, body: NodeLeave, session: SessionDep, now: NowDep) -> NodeLeft:
+    """The agent is stopping: drop the node from its attempts now, not at its timeout."""
+    return NodeLeft(left=nodes.leave(session, node_id, body.reason, now))
 
 
 @router.get("", response_model=NodesPublic)

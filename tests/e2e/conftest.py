@@ -92,3 +92,44 @@ def wait_no_processes(cluster: LocalCluster, job_id: int, timeout_s: float = 15)
     wait_for(
         f"no process of job {job_id}", lambda: not cluster.job_processes(job_id), timeout_s, POLL_S
     )
+
+
+def regression(name: str, nnodes: str, **extra: Any) -> dict[str, Any]:
+    params = {
+        "epochs": 3,
+        "samples": 1024,
+        "batch_size": 32,
+        "seed": 5,
+        "step_delay": 0.1,
+        "log_every_steps": 2,
+        **extra.pop("params", {}),
+    }
+    return {
+        "name": name,
+        "task": {"name": "regression", "params": params},
+        "nnodes": nnodes,
+        "max_restarts": 3,
+        "snapshot": {"every_steps": 5},
+        **extra,
+    }
+
+
+def wait_world_size(client: RelaunchClient, job_id: int, size: int, after_step: int = 0) -> None:
+    """Until rank 0 reports a training step past ``after_step`` at world size ``size``."""
+    with dumped_on_failure(client, job_id):
+        wait_for(
+            f"job {job_id} training at world size {size}",
+            lambda: any(
+                m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
+            ),
+            120,
+            POLL_S,
+        )
+
+
+def assert_trained(client: RelaunchClient, job: dict[str, Any]) -> None:
+    assert job["state"] == "SUCCEEDED", job
+    metrics = client.metrics(job["id"])
+    assert job["last_step"] == job["total_steps"]  # from the training_finished event
+    first_loss = metrics[0]["loss"]
+    assert job["last_loss"] is not None and job["last_loss"] < first_loss / 10, metrics

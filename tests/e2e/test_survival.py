@@ -21,10 +21,12 @@ from service.demo import LocalCluster
 from tests.conftest import wait_for
 from tests.e2e.conftest import (
     POLL_S,
-    dumped_on_failure,
+    assert_trained,
+    regression,
     running_cluster,
     wait_no_processes,
     wait_terminal,
+    wait_world_size,
 )
 
 pytestmark = pytest.mark.e2e
@@ -82,53 +84,12 @@ def all_logs(client: RelaunchClient, job_id: int) -> list[dict[str, Any]]:
     return lines
 
 
-def regression(name: str, nnodes: str, **extra: Any) -> dict[str, Any]:
-    params = {
-        "epochs": 3,
-        "samples": 1024,
-        "batch_size": 32,
-        "seed": 5,
-        "step_delay": 0.1,
-        "log_every_steps": 2,
-        **extra.pop("params", {}),
-    }
-    return {
-        "name": name,
-        "task": {"name": "regression", "params": params},
-        "nnodes": nnodes,
-        "max_restarts": 3,
-        "snapshot": {"every_steps": 5},
-        **extra,
-    }
-
-
 def node_of_rank(cluster: LocalCluster, job_id: int, rank: int) -> str:
     for proc in cluster.job_workers(job_id):
         env = proc.environ()
         if env.get("RANK") == str(rank):
             return env["RELAUNCH_NODE_NAME"]
     raise AssertionError(f"no worker of job {job_id} has rank {rank}")
-
-
-def wait_world_size(client: RelaunchClient, job_id: int, size: int, after_step: int = 0) -> None:
-    """Until rank 0 reports a training step past ``after_step`` at world size ``size``."""
-    with dumped_on_failure(client, job_id):
-        wait_for(
-            f"job {job_id} training at world size {size}",
-            lambda: any(
-                m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
-            ),
-            120,
-            POLL_S,
-        )
-
-
-def assert_trained(client: RelaunchClient, job: dict[str, Any]) -> None:
-    assert job["state"] == "SUCCEEDED", job
-    metrics = client.metrics(job["id"])
-    assert job["last_step"] == job["total_steps"]  # from the training_finished event
-    first_loss = metrics[0]["loss"]
-    assert job["last_loss"] is not None and job["last_loss"] < first_loss / 10, metrics
 
 
 @pytest.mark.parametrize("victim_rank", [0, 1], ids=["rank0-node", "other-node"])

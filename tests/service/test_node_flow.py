@@ -219,6 +219,28 @@ def test_reports_from_non_members_and_ended_attempts_are_fenced(
     assert "node_stopped" in kinds(api, job_id)
 
 
+def test_a_node_that_stops_its_part_of_a_live_attempt_is_a_membership_change(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    """An agent that shuts down stops its part first: that is the node leaving."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    r = report(api, a, attempt_id, exit={"outcome": "stopped", "clean": True, "exit_code": -15})
+    assert r.status_code == 200
+    detail = job(api, job_id)
+    assert (detail["state"], detail["membership_changes"], detail["restart_count"]) == (
+        "RUNNING",
+        1,
+        0,
+    )
+    members = {m["node_id"]: m for m in detail["attempts"][0]["members"]}
+    assert (members[a]["state"], members[a]["exit_code"]) == ("LEFT", -15)
+    assert members[b]["state"] == "ACTIVE"
+    assert kinds(api, job_id)[-2:] == ["node_left", "node_stopped"]
+
+
 def test_a_silent_node_is_lost_and_the_job_goes_on_without_it(
     api: TestClient, reconciler: Reconciler, clock: FakeClock
 ) -> None:
@@ -405,3 +427,29 @@ def test_a_bad_snapshot_keep_is_refused(api: TestClient, keep: Any) -> None:
     )
     assert r.status_code == 422, r.text
     assert "keep" in r.text
+
+
+def test_a_stopping_agent_leaves_at_once_and_a_new_node_takes_its_place(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """``docker compose stop``: no waiting out the heartbeat timeout."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    assert len(job(api, job_id)["attempts"][0]["members"]) == 2
+    reply = api.post(f"/api/v1/nodes/{a}/leave", json={"reason": "SIGTERM"})
+    assert reply.status_code == 200 and reply.json() == {"left": True}
+    nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
+    assert nodes == {"a": "LOST", "b": "ALIVE"}
+    assert "node_left" in kinds(api, job_id)
+    register(api, "c")
+    reconciler.run_once()  # no clock advance: the place is free now
+    detail = job(api, job_id)
+    assert detail["state"] == "RUNNING" and detail["membership_changes"] == 2
+    active = [m for m in detail["attempts"][0]["members"] if m["state"] == "ACTIVE"]
+    assert sorted(m["node_id"] for m in active) == sorted([b, a + 2])
+    again = api.post(f"/api/v1/nodes/{a}/leave", json={})
+    assert again.json() == {"left": False}  # idempotent
+    assert api.post("/api/v1/nodes/999/leave", json={}).status_code == 404
+    too_long = api.post(f"/api/v1/nodes/{b}/leave", json={"reason": "x" * 201})
+    assert too_long.status_code == 422

@@ -1,5 +1,6 @@
 """NodeAgent.step against a scripted client and a hand-moved clock (no processes)."""
 
+import os
 from pathlib import Path
 
 from worker.agent import NodeAgent
@@ -8,6 +9,8 @@ from worker.protocol import (
     AttemptReport,
     Heartbeat,
     HeartbeatReply,
+    NodeLeave,
+    NodeLeft,
     NodeRegister,
     NodeRegistered,
     ReportAccepted,
@@ -21,6 +24,7 @@ class ScriptedClient(ControllerClient):
         self.calls: list[str] = []
         self.register_failures = 0
         self.heartbeat_failures: list[Exception] = []
+        self.leave_fails = False
 
     def register(self, body: NodeRegister) -> NodeRegistered:
         self.calls.append("register")
@@ -38,6 +42,12 @@ class ScriptedClient(ControllerClient):
     def report(self, node_id: int, body: AttemptReport) -> ReportAccepted:
         self.calls.append("report")
         return ReportAccepted(accepted=True)
+
+    def leave(self, node_id: int, body: NodeLeave) -> NodeLeft:
+        self.calls.append(f"leave {node_id}")
+        if self.leave_fails:
+            raise ControllerUnavailableError("down")
+        return NodeLeft(left=True)
 
 
 class Clock:
@@ -95,3 +105,33 @@ def test_unknown_node_registers_again_and_outages_are_survived(tmp_path: Path) -
     agent.step()
     assert agent.node_id == 7
     assert client.calls.count("register") == 2
+
+
+def test_the_loop_marks_itself_alive_every_second(tmp_path: Path) -> None:
+    agent, _, clock = _agent(tmp_path)
+    alive = tmp_path / "agent.alive"
+    agent.step()
+    first = alive.stat().st_mtime_ns
+    clock.now += 0.5
+    os.utime(alive, ns=(first, first))
+    agent.step()  # not due yet
+    assert alive.stat().st_mtime_ns == first
+    clock.now += 0.6
+    agent.step()
+    assert alive.stat().st_mtime_ns > first
+
+
+def test_a_stopping_agent_says_it_leaves_and_survives_a_controller_that_is_down(
+    tmp_path: Path,
+) -> None:
+    agent, client, _ = _agent(tmp_path)
+    agent.step()
+    agent.request_stop()
+    agent.run()  # returns at once: stop was requested
+    assert client.calls[-1] == "leave 7"
+    agent, client, _ = _agent(tmp_path)
+    client.leave_fails = True
+    agent.step()
+    agent.request_stop()
+    agent.run()  # the controller is down: the node times out there instead
+    assert client.calls[-1] == "leave 7"
