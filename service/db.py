@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# Held (pg_advisory_xact_lock) while migrating: controllers that start together
+# migrate one after the other, and the later ones find the schema at head.
+MIGRATION_LOCK_KEY = 0x72656C61756E6368  # "relaunch"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 
@@ -46,6 +49,12 @@ def _sqlite_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def serialize_sqlite(engine: Engine) -> None:
+    """WAL, a busy timeout, foreign keys, and one writing transaction at a time."""
+    event.listen(engine, "connect", _sqlite_pragmas)
+    event.listen(engine, "begin", _sqlite_begin)
+
+
 def normalize_url(url: str) -> str:
     """Let ``postgresql://`` mean the psycopg 3 driver that relaunch installs."""
     parsed = make_url(url)
@@ -64,8 +73,7 @@ def make_engine(url: str) -> Engine:
             url,
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
         )
-        event.listen(engine, "connect", _sqlite_pragmas)
-        event.listen(engine, "begin", _sqlite_begin)
+        serialize_sqlite(engine)
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
