@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.orm import Session
 
 from service.attempts import assignment_for, drop_member
@@ -114,35 +114,32 @@ def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:
     """ALIVE → LOST at once, for an agent that says it is stopping: the other members
     re-form without waiting out the heartbeat timeout. The node comes back by registering."""
     get_node(session, node_id)
-    result = session.execute(
-        update(Node)
-        .where(Node.id == node_id, Node.state == NodeState.ALIVE)
-        .values(state=NodeState.LOST)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not _lose(session, node_id, now, reason):
         return False
     logger.info("node=%s left: %s", node_id, reason)
-    for member in memberships(session, node_id):
-        drop_member(session, member, now, reason)
     return True
 
 
 def mark_lost(session: Session, node_id: int, seen_before: datetime, now: datetime) -> bool:
     """ALIVE → LOST, only if no heartbeat arrived since ``seen_before`` (compare-and-set)."""
+    if not _lose(session, node_id, now, "no heartbeat", Node.last_heartbeat_at <= seen_before):
+        return False
+    logger.warning("node=%s lost: no heartbeat since %s", node_id, seen_before)
+    return True
+
+
+def _lose(
+    session: Session, node_id: int, now: datetime, why: str, *still: ColumnElement[bool]
+) -> bool:
+    """ALIVE → LOST if the row is still ALIVE (and ``still`` holds); end its memberships."""
     result = session.execute(
         update(Node)
-        .where(
-            Node.id == node_id,
-            Node.state == NodeState.ALIVE,
-            Node.last_heartbeat_at <= seen_before,
-        )
+        .where(Node.id == node_id, Node.state == NodeState.ALIVE, *still)
         .values(state=NodeState.LOST)
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
         return False
-    logger.warning("node=%s lost: no heartbeat since %s", node_id, seen_before)
     for member in memberships(session, node_id):
-        drop_member(session, member, now, "no heartbeat")
+        drop_member(session, member, now, why)
     return True
