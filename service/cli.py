@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -161,11 +162,10 @@ def healthcheck(
     agent when its loop has turned in the last ``max_age_s`` seconds, whether
     or not the controller answers.
     """
-    import os
-
     import httpx
 
     from service.settings import ControllerSettings
+    from service.store import connect_host
     from worker.settings import AgentSettings
 
     role = role or ("agent" if os.environ.get("RELAUNCH_AGENT_CONTROLLER_URL") else "controller")
@@ -181,9 +181,9 @@ def healthcheck(
     if role != "controller":
         raise _fail(f"--role must be controller or agent, got {role!r}")
     settings = _load_settings(ControllerSettings, "controller")
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    url = f"http://{connect_host(settings.host)}:{settings.port}/healthz"
     try:
-        reply = httpx.get(f"http://{host}:{settings.port}/healthz", timeout=5.0)
+        reply = httpx.get(url, timeout=5.0)
     except httpx.HTTPError as exc:
         raise _fail(f"the controller does not answer: {exc}") from exc
     if reply.status_code != 200:

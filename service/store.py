@@ -24,6 +24,12 @@ from datetime import timedelta
 logger = logging.getLogger(__name__)
 
 
+def connect_host(listen_host: str) -> str:
+    """Where a process on this host dials a server that listens on ``listen_host``:
+    loopback for a wildcard address, else the address itself."""
+    return "127.0.0.1" if listen_host in ("0.0.0.0", "::", "") else listen_host
+
+
 def is_listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
@@ -66,7 +72,7 @@ class StoreSupervisor:
 
     @property
     def _connect_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return connect_host(self.host)
 
     def start(self) -> None:
         self.ensure_running()

@@ -169,8 +169,7 @@ class NodeAgent:
     def _mark_alive(self) -> None:
         """Show the loop turns, whether or not the controller answers (container health)."""
         try:
-            self._settings.alive_file.parent.mkdir(parents=True, exist_ok=True)
-            self._settings.alive_file.touch()
+            self._settings.alive_file.touch()  # run() made the work dir
         except OSError as exc:
             logger.warning(
                 "node=%s cannot touch %s: %s", self._settings.name, self._settings.alive_file, exc

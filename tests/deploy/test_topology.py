@@ -79,26 +79,28 @@ class ComposeHere:
             out[key] = here.get(key, value)
         return out
 
+    def _container_env(self, service: str, name: str) -> dict[str, str]:
+        """The environment of container ``name`` of ``service``, as seen here."""
+        env = self._localize(self.services[service]["environment"], self.data / "homes" / name)
+        if service == "agent":
+            env["RELAUNCH_AGENT_NAME"] = name  # a container's host name
+        return env
+
     def start_controller(self) -> None:
-        service = self.services["controller"]
-        env = self._localize(service["environment"], self.data / "homes" / "controller")
-        self.cluster.spawn("controller", service["command"], env)
+        env = self._container_env("controller", "controller")
+        self.cluster.spawn("controller", self.services["controller"]["command"], env)
         self.cluster.wait_healthy()
 
     def start_agent(self, name: str) -> None:
         """One more replica of the agent service (a container named ``name``)."""
-        service = self.services["agent"]
-        env = self._localize(service["environment"], self.data / "homes" / name)
-        env["RELAUNCH_AGENT_NAME"] = name  # a container's host name
-        self.cluster.spawn(name, service["command"], env)
+        env = self._container_env("agent", name)
+        self.cluster.spawn(name, self.services["agent"]["command"], env)
 
     def healthcheck(self, name: str, service: str, *extra: str) -> int:
         """Run the service's health check command in process ``name``'s environment."""
         test = self.services[service]["healthcheck"]["test"]
         assert test[:2] == ["CMD", "relaunch"]
-        env = self._localize(self.services[service]["environment"], self.data / "homes" / name)
-        if service == "agent":
-            env["RELAUNCH_AGENT_NAME"] = name
+        env = self._container_env(service, name)
         cmd = [sys.executable, "-m", "service.cli", *test[2:], *extra]
         return subprocess.run(cmd, env=env, capture_output=True, check=False).returncode
 
