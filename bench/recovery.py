@@ -28,7 +28,6 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from service.client import RelaunchClient
 from service.demo import LocalCluster, free_port
 
 PROBE = Path(__file__).resolve().parent / "ddp_probe.py"
@@ -183,7 +182,7 @@ class Relaunch:
         )
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
         self.cluster.start_controller()
-        self.client = RelaunchClient(self.cluster.url)
+        self.client = self.cluster.client()
 
     def close(self) -> None:
         self.client.close()

@@ -31,6 +31,7 @@ UrlOption = Annotated[
     typer.Option("--url", envvar="RELAUNCH_URL", help="Controller URL"),
 ]
 DEFAULT_URL = "http://127.0.0.1:8080"
+TOKEN_ENV = "RELAUNCH_TOKEN"
 STATE_COLOURS = {
     "PENDING": "yellow",
     "WAITING": "yellow",
@@ -81,6 +82,18 @@ def _load_settings(cls: type[S], what: str, **overrides: Any) -> S:
 def _fail(message: str) -> typer.Exit:
     err_console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code=2)
+
+
+def _client(url: str) -> RelaunchClient:
+    """A client acting as the user whose token is in RELAUNCH_TOKEN. The token is read
+    from the environment only: a command-line option would show it in `ps`."""
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise _fail(
+            f"set {TOKEN_ENV} to your API token (an admin makes one with "
+            "`relaunch users add` or `relaunch users token`)"
+        )
+    return RelaunchClient(url, token)
 
 
 @app.command()
@@ -234,6 +247,10 @@ def submit(
     nproc_per_node: Annotated[int | None, typer.Option()] = None,
     max_restarts: Annotated[int | None, typer.Option()] = None,
     snapshot_every_steps: Annotated[int | None, typer.Option()] = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option(help="Send the same key again to get the same job, not a second one"),
+    ] = None,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Submit a job; prints its id."""
@@ -253,9 +270,9 @@ def submit(
             spec[key] = value
     if snapshot_every_steps is not None:
         spec.setdefault("snapshot", {})["every_steps"] = snapshot_every_steps
-    with RelaunchClient(url) as client:
+    with _client(url) as client:
         try:
-            job = client.submit(spec)
+            job = client.submit(spec, idempotency_key)
         except ApiError as exc:
             raise _fail(f"the controller refused the job: {exc}") from exc
     console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), state {job['state']}")
@@ -272,7 +289,7 @@ def jobs(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """List jobs, newest first."""
-    with RelaunchClient(url) as client:
+    with _client(url) as client:
         try:
             page = client.jobs(state=state, limit=limit)
         except ApiError as exc:
@@ -306,7 +323,7 @@ def status(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Show one job: state, progress, attempts and timeline."""
-    with RelaunchClient(url) as client:
+    with _client(url) as client:
         try:
             job = client.job(job_id)
             events = client.events(job_id)
@@ -334,7 +351,7 @@ def logs(
 ) -> None:
     """Print a job's log lines (node, local rank, line); --follow keeps polling."""
     after = 0
-    with RelaunchClient(url) as client:
+    with _client(url) as client:
         while True:
             try:
                 lines = client.logs(job_id, after_id=after)
@@ -358,12 +375,117 @@ def cancel(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Cancel a job (cancelling an ended job changes nothing)."""
-    with RelaunchClient(url) as client:
+    with _client(url) as client:
         try:
             job = client.cancel(job_id)
         except ApiError as exc:
             raise _fail(str(exc)) from exc
     console.print(f"job {job['id']}: {_state_text(job['state'])}")
+
+
+users_app = typer.Typer(help="Users and their API tokens (admin only)", no_args_is_help=True)
+app.add_typer(users_app, name="users")
+
+
+def _print_secret(secret: str) -> None:
+    console.print("API token (shown this once; only its hash is kept):")
+    typer.echo(secret)
+
+
+@users_app.command("add")
+def users_add(
+    name: Annotated[str, typer.Argument()],
+    admin: Annotated[bool, typer.Option("--admin", help="Make an admin")] = False,
+    max_active_jobs: Annotated[int | None, typer.Option(help="Unfinished jobs at once")] = None,
+    max_nodes: Annotated[int | None, typer.Option(help="Nodes their jobs may hold")] = None,
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Add a user and print their first API token."""
+    role = "admin" if admin else "user"
+    with _client(url) as client:
+        try:
+            made = client.create_user(
+                name, role, max_active_jobs=max_active_jobs, max_nodes=max_nodes
+            )
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    console.print(f"user [bold]{made['user']['id']}[/] {name} ({role})")
+    _print_secret(made["token"]["secret"])
+
+
+@users_app.command("list")
+def users_list(url: UrlOption = DEFAULT_URL) -> None:
+    """List users."""
+    with _client(url) as client:
+        try:
+            page = client.users()
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    table = Table("id", "name", "role", "max jobs", "max nodes", "created")
+    for user in page["items"]:
+        table.add_row(
+            str(user["id"]),
+            user["name"],
+            user["role"],
+            str(user["max_active_jobs"] or "default"),
+            str(user["max_nodes"] or "default"),
+            user["created_at"][:19],
+        )
+    console.print(table)
+
+
+@users_app.command("token")
+def users_token(
+    user_id: Annotated[int, typer.Argument()],
+    label: Annotated[str, typer.Option(help="What the token is for")] = "",
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Make another API token for a user and print it."""
+    with _client(url) as client:
+        try:
+            made = client.create_token(user_id, label)
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    console.print(f"token [bold]{made['token']['id']}[/] for user {user_id}")
+    _print_secret(made["secret"])
+
+
+@users_app.command("tokens")
+def users_tokens(user_id: Annotated[int, typer.Argument()], url: UrlOption = DEFAULT_URL) -> None:
+    """List a user's tokens (never their text)."""
+    with _client(url) as client:
+        try:
+            rows = client.tokens(user_id)
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    table = Table("id", "label", "created", "revoked")
+    for row in rows:
+        table.add_row(
+            str(row["id"]), row["label"], row["created_at"][:19], (row["revoked_at"] or "")[:19]
+        )
+    console.print(table)
+
+
+@users_app.command("revoke")
+def users_revoke(token_id: Annotated[int, typer.Argument()], url: UrlOption = DEFAULT_URL) -> None:
+    """Revoke an API token: it stops working at once."""
+    with _client(url) as client:
+        try:
+            client.revoke_token(token_id)
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    console.print(f"token {token_id} revoked")
+
+
+@app.command()
+def whoami(url: UrlOption = DEFAULT_URL) -> None:
+    """Show the user RELAUNCH_TOKEN belongs to."""
+    with _client(url) as client:
+        try:
+            user = client.me()
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
+    console.print(f"{user['name']} ({user['role']}), user {user['id']}")
 
 
 @app.command()

@@ -28,9 +28,12 @@ def format_detail(detail: Any) -> str:
 
 
 class RelaunchClient:
-    def __init__(self, base_url: str, timeout_s: float = 10.0) -> None:
+    """Calls the API as the user whose token it holds (``None``: only /healthz answers)."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -55,8 +58,9 @@ class RelaunchClient:
         result: dict[str, Any] = self._call("GET", "/healthz")
         return result
 
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", "/api/v1/jobs", json=spec)
+    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
+        result: dict[str, Any] = self._call("POST", "/api/v1/jobs", json=spec, headers=headers)
         return result
 
     def job(self, job_id: int) -> dict[str, Any]:
@@ -95,6 +99,34 @@ class RelaunchClient:
         items: list[dict[str, Any]] = self._call("GET", f"/api/v1/jobs/{job_id}/snapshots")["items"]
         return items
 
-    def nodes(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._call("GET", "/api/v1/nodes")["items"]
+    def nodes(self, limit: int = 1000) -> list[dict[str, Any]]:
+        body = self._call("GET", "/api/v1/nodes", params={"limit": limit})
+        items: list[dict[str, Any]] = body["items"]
         return items
+
+    def me(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/api/v1/users/me")
+        return result
+
+    def create_user(self, name: str, role: str = "user", **limits: int | None) -> dict[str, Any]:
+        body = {"name": name, "role": role, **{k: v for k, v in limits.items() if v is not None}}
+        result: dict[str, Any] = self._call("POST", "/api/v1/users", json=body)
+        return result
+
+    def users(self, limit: int = 200, offset: int = 0) -> dict[str, Any]:
+        params = {"limit": limit, "offset": offset}
+        result: dict[str, Any] = self._call("GET", "/api/v1/users", params=params)
+        return result
+
+    def create_token(self, user_id: int, label: str = "") -> dict[str, Any]:
+        path = f"/api/v1/users/{user_id}/tokens"
+        result: dict[str, Any] = self._call("POST", path, json={"label": label})
+        return result
+
+    def tokens(self, user_id: int) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self._call("GET", f"/api/v1/users/{user_id}/tokens")["items"]
+        return items
+
+    def revoke_token(self, token_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/api/v1/tokens/{token_id}/revoke")
+        return result

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -70,10 +72,32 @@ class LocalCluster:
     log_dir: Path | None = None
     host: str = "127.0.0.1"  # where nodes reach the controller and its store
     snapshot_root: Path | None = None  # default: data_dir/snapshots
+    # The secret the agents register with; the controller is started with it.
+    enrolment_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    # The first admin's token, read from the controller's output at its first start.
+    admin_token: str | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def client(self, timeout_s: float = 10.0) -> RelaunchClient:
+        """A client acting as the first admin."""
+        return RelaunchClient(self.url, self.admin_token, timeout_s=timeout_s)
+
+    def learn_admin_token(self) -> None:
+        """Read the first admin's token from the controller's output, once."""
+        if self.admin_token is not None:
+            return
+        from service.api.app import FIRST_ADMIN_BANNER
+
+        log = (self.log_dir or self.data_dir) / "controller.log"
+        lines = log.read_text(errors="replace").splitlines()
+        for banner, token in itertools.pairwise(lines):
+            if banner.strip() == FIRST_ADMIN_BANNER:
+                self.admin_token = token.strip()
+                return
+        raise RuntimeError(f"the controller printed no admin token; see {log}")
 
     def snapshot_dir(self, job_id: int) -> Path:
         return (self.snapshot_root or self.data_dir / "snapshots") / f"job-{job_id}"
@@ -106,11 +130,13 @@ class LocalCluster:
             "RELAUNCH_PORT": str(self.port),
             "RELAUNCH_STORE_HOST": self.host,
             "RELAUNCH_STORE_PORT": str(self.store_port),
+            "RELAUNCH_ENROLMENT_TOKEN": self.enrolment_token,
             **({"RELAUNCH_SNAPSHOT_ROOT": str(self.snapshot_root)} if self.snapshot_root else {}),
             **(extra_env or {}),
         }
         self.spawn("controller", ["server"], env)
         self.wait_healthy()
+        self.learn_admin_token()
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -136,11 +162,11 @@ class LocalCluster:
         args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
         if address is not None:
             args += ["--address", address]
-        self.spawn(name, args, {}, prefix)
+        self.spawn(name, args, {"RELAUNCH_AGENT_ENROLMENT_TOKEN": self.enrolment_token}, prefix)
 
     def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with RelaunchClient(self.url) as client:
+        with self.client() as client:
             while sum(n["state"] == "ALIVE" for n in client.nodes()) < count:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"fewer than {count} nodes registered")
@@ -229,7 +255,7 @@ def run_demo(console: Console, port: int = 8080, keep_running: bool | None = Non
 
 
 def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
-    with RelaunchClient(cluster.url) as client:
+    with cluster.client() as client:
         submitted_at = time.time()
         job_id = client.submit(DEMO_SPEC)["id"]
         console.print(f"submitted job {job_id}: {DEMO_SPEC['task']}, nnodes {DEMO_SPEC['nnodes']}")
@@ -275,6 +301,9 @@ def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
     print_timeline(events)
     _print_figures(console, job, submitted_at, killed_at, metrics)
     console.print(f"API: {cluster.url}/api/v1/jobs/{job_id}   docs: {cluster.url}/docs")
+    console.print(
+        f"the demo's admin token (send it as 'Authorization: Bearer …'): {cluster.admin_token}"
+    )
     if keep_running and job["state"] == "SUCCEEDED":
         console.print("the controller keeps running; press Ctrl-C to stop")
         try:

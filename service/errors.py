@@ -21,3 +21,19 @@ class StaleState(Conflict):
 
 class Fenced(Conflict):
     """A node reported for an attempt it is no longer a member of."""
+
+
+class Unauthenticated(RelaunchError):
+    """No credential, or one that is unknown or revoked (HTTP 401)."""
+
+
+class Forbidden(RelaunchError):
+    """A valid credential that may not do this (HTTP 403)."""
+
+
+class LimitReached(Conflict):
+    """The user's limit on unfinished jobs or on nodes would be passed (HTTP 409)."""
+
+
+class IdempotencyMismatch(RelaunchError):
+    """An Idempotency-Key used before with a different body (HTTP 422)."""

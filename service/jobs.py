@@ -5,24 +5,74 @@ Each takes an open session (the caller owns the transaction) and ``now``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.orm import Session
 
-from service.errors import NotFound, StaleState
-from service.models import Job, JobEvent, LogEntry, Metric, Snapshot
-from service.schemas import JobSpec
-from service.states import JOB_TRANSITIONS, JobState, check_transition
+from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
+from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
+from service.schemas import JobSpec, parse_nnodes
+from service.states import JOB_TRANSITIONS, TERMINAL_JOB_STATES, JobState, check_transition
 
 logger = logging.getLogger(__name__)
 
 
-def submit_job(session: Session, spec: JobSpec, now: datetime) -> Job:
+@dataclass(frozen=True)
+class Limits:
+    """What one user's unfinished jobs may hold at once."""
+
+    active_jobs: int
+    nodes: int
+
+
+def spec_digest(spec: JobSpec) -> str:
+    """The same spec gives the same digest, however its JSON was spaced or ordered."""
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submit_job(
+    session: Session,
+    spec: JobSpec,
+    owner: User,
+    now: datetime,
+    limits: Limits,
+    idempotency_key: str | None = None,
+) -> tuple[Job, bool]:
+    """A new PENDING job of ``owner``; returns it and whether it was made now.
+
+    With ``idempotency_key``, a key this user sent before with the same spec
+    gives back that job (``False``); with another spec it raises
+    ``IdempotencyMismatch``. Two submits racing with one key: the unique key
+    row lets one commit; the caller retries the other, which then finds it.
+    """
+    # Lock the owner's row: their submits run one at a time, so two cannot both
+    # pass the limits below.
+    session.scalars(select(User).where(User.id == owner.id).with_for_update()).one()
+    digest = spec_digest(spec)
+    if idempotency_key is not None:
+        earlier = session.scalars(
+            select(IdempotencyKey).where(
+                IdempotencyKey.user_id == owner.id, IdempotencyKey.key == idempotency_key
+            )
+        ).one_or_none()
+        if earlier is not None:
+            if earlier.body_sha256 != digest:
+                raise IdempotencyMismatch(
+                    f"Idempotency-Key {idempotency_key!r} was used for job {earlier.job_id} "
+                    "with a different body; use a new key for a new job"
+                )
+            return get_job(session, earlier.job_id), False
+    _check_limits(session, owner, spec, limits)
     job = Job(
         name=spec.name,
+        owner_id=owner.id,
         spec=spec.model_dump(mode="json"),
         state=JobState.PENDING,
         created_at=now,
@@ -34,9 +84,39 @@ def submit_job(session: Session, spec: JobSpec, now: datetime) -> Job:
     )
     session.add(job)
     session.flush()
-    add_event(session, job.id, "submitted", f"job {job.name!r} submitted", now)
-    logger.info("job=%s submitted name=%s", job.id, job.name)
-    return job
+    if idempotency_key is not None:
+        session.add(
+            IdempotencyKey(
+                user_id=owner.id,
+                key=idempotency_key,
+                body_sha256=digest,
+                job_id=job.id,
+                created_at=now,
+            )
+        )
+        session.flush()
+    add_event(session, job.id, "submitted", f"job {job.name!r} submitted by {owner.name}", now)
+    logger.info("job=%s submitted name=%s owner=%s", job.id, job.name, owner.name)
+    return job, True
+
+
+def _check_limits(session: Session, owner: User, spec: JobSpec, limits: Limits) -> None:
+    max_jobs = owner.max_active_jobs or limits.active_jobs
+    max_nodes = owner.max_nodes or limits.nodes
+    specs = session.scalars(
+        select(Job.spec).where(Job.owner_id == owner.id, Job.state.not_in(TERMINAL_JOB_STATES))
+    ).all()
+    if len(specs) >= max_jobs:
+        raise LimitReached(
+            f"user {owner.name!r} has {len(specs)} unfinished jobs, the limit is {max_jobs}; "
+            "wait for one to finish or cancel one"
+        )
+    held = sum(parse_nnodes(str(s.get("nnodes", "1")))[1] for s in specs)
+    if held + spec.max_nodes > max_nodes:
+        raise LimitReached(
+            f"user {owner.name!r} has jobs that may hold {held} nodes; this one may take "
+            f"{spec.max_nodes} more, the limit is {max_nodes}; lower nnodes MAX or wait"
+        )
 
 
 def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
@@ -49,11 +129,25 @@ def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
     return job
 
 
+def _visible(stmt: Select[Any], viewer: User) -> Select[Any]:
+    """Only the viewer's own jobs, unless the viewer is an admin."""
+    return stmt if viewer.role is Role.ADMIN else stmt.where(Job.owner_id == viewer.id)
+
+
+def job_for(session: Session, job_id: int, viewer: User, *, for_update: bool = False) -> Job:
+    """Job ``job_id`` as ``viewer`` may see it. Another user's job is NotFound, the same
+    answer as a job that does not exist, so ids of others' jobs are not revealed."""
+    job = get_job(session, job_id, for_update=for_update)
+    if viewer.role is not Role.ADMIN and job.owner_id != viewer.id:
+        raise NotFound(f"job {job_id} does not exist")
+    return job
+
+
 def list_jobs(
-    session: Session, state: JobState | None, limit: int, offset: int
+    session: Session, viewer: User, state: JobState | None, limit: int, offset: int
 ) -> tuple[list[Job], int]:
-    stmt = select(Job)
-    count = select(func.count()).select_from(Job)
+    stmt = _visible(select(Job), viewer)
+    count = _visible(select(func.count()).select_from(Job), viewer)
     if state is not None:
         stmt = stmt.where(Job.state == state)
         count = count.where(Job.state == state)
@@ -107,12 +201,12 @@ def count_membership_change(session: Session, job_id: int) -> int:
     return int(count)
 
 
-def cancel_job(session: Session, job_id: int, now: datetime) -> Job:
+def cancel_job(session: Session, job_id: int, viewer: User, now: datetime) -> Job:
     """Cancel a job; cancelling a job that already ended changes nothing."""
-    job = get_job(session, job_id, for_update=True)
+    job = job_for(session, job_id, viewer, for_update=True)
     if job.state.is_terminal():
         return job
-    change_job_state(session, job, JobState.CANCELLED, now, message="cancelled by user")
+    change_job_state(session, job, JobState.CANCELLED, now, message=f"cancelled by {viewer.name}")
     from service.attempts import end_attempt, running_attempt  # avoid an import cycle
 
     attempt = running_attempt(session, job.id)
@@ -151,10 +245,16 @@ Row = TypeVar("Row", JobEvent, Metric, LogEntry)
 
 
 def _page_after(
-    session: Session, model: type[Row], job_id: int, after_id: int, limit: int, *filters: Any
+    session: Session,
+    model: type[Row],
+    job_id: int,
+    viewer: User,
+    after_id: int,
+    limit: int,
+    *filters: Any,
 ) -> list[Row]:
     """A job's rows of ``model`` with ids above ``after_id``, oldest first (for polling)."""
-    get_job(session, job_id)
+    job_for(session, job_id, viewer)
     stmt = (
         select(model)
         .where(model.job_id == job_id, model.id > after_id, *filters)
@@ -164,17 +264,22 @@ def _page_after(
     return list(session.scalars(stmt))
 
 
-def job_events(session: Session, job_id: int, after_id: int, limit: int) -> list[JobEvent]:
-    return _page_after(session, JobEvent, job_id, after_id, limit)
+def job_events(
+    session: Session, job_id: int, viewer: User, after_id: int, limit: int
+) -> list[JobEvent]:
+    return _page_after(session, JobEvent, job_id, viewer, after_id, limit)
 
 
-def job_metrics(session: Session, job_id: int, after_id: int, limit: int) -> list[Metric]:
-    return _page_after(session, Metric, job_id, after_id, limit)
+def job_metrics(
+    session: Session, job_id: int, viewer: User, after_id: int, limit: int
+) -> list[Metric]:
+    return _page_after(session, Metric, job_id, viewer, after_id, limit)
 
 
 def job_logs(
     session: Session,
     job_id: int,
+    viewer: User,
     after_id: int,
     limit: int,
     local_rank: int | None = None,
@@ -185,10 +290,18 @@ def job_logs(
         filters.append(LogEntry.local_rank == local_rank)
     if node_id is not None:
         filters.append(LogEntry.node_id == node_id)
-    return _page_after(session, LogEntry, job_id, after_id, limit, *filters)
+    return _page_after(session, LogEntry, job_id, viewer, after_id, limit, *filters)
 
 
-def job_snapshots(session: Session, job_id: int) -> list[Snapshot]:
-    get_job(session, job_id)
-    stmt = select(Snapshot).where(Snapshot.job_id == job_id).order_by(Snapshot.step)
+def job_snapshots(
+    session: Session, job_id: int, viewer: User, limit: int, offset: int
+) -> list[Snapshot]:
+    job_for(session, job_id, viewer)
+    stmt = (
+        select(Snapshot)
+        .where(Snapshot.job_id == job_id)
+        .order_by(Snapshot.step)
+        .limit(limit)
+        .offset(offset)
+    )
     return list(session.scalars(stmt))

@@ -54,11 +54,64 @@ class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UTCDateTime(), dict[str, Any]: JSON}
 
 
+class Role(StrEnum):
+    """What a user may do: ``user`` acts on its own jobs, ``admin`` on every job and user."""
+
+    ADMIN = "admin"
+    USER = "user"
+
+
+class User(Base):
+    """Someone who submits jobs. Limits left empty take the controller's defaults."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[Role] = mapped_column(_state_column(Role))
+    max_active_jobs: Mapped[int | None] = mapped_column(Integer)
+    max_nodes: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+
+
+class ApiToken(Base):
+    """A user's bearer token, kept only as the sha256 of its text."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    label: Mapped[str] = mapped_column(String(64))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+    user: Mapped[User] = relationship()
+
+
+class IdempotencyKey(Base):
+    """A submit's Idempotency-Key: the same user, key and body give back the same job."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (UniqueConstraint("user_id", "key"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    body_sha256: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime]
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
+    # Empty only for jobs submitted before users existed; only admins see those.
+    owner_id: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", name="fk_jobs_owner_id_users"), index=True
+    )
     spec: Mapped[dict[str, Any]]
     state: Mapped[JobState] = mapped_column(_state_column(JobState), index=True)
     created_at: Mapped[datetime]
@@ -77,6 +130,7 @@ class Job(Base):
     world_size: Mapped[int | None] = mapped_column(Integer)
     message: Mapped[str] = mapped_column(Text, default="")
 
+    owner: Mapped[User | None] = relationship()
     attempts: Mapped[list[Attempt]] = relationship(
         back_populates="job", order_by="Attempt.number", cascade="all, delete-orphan"
     )
@@ -135,6 +189,8 @@ class Node(Base):
     state: Mapped[NodeState] = mapped_column(_state_column(NodeState), index=True)
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime]
+    # sha256 of the token issued at the node's last registration; its agent's credential.
+    token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
 
 
 class JobEvent(Base):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.orm import Session
 
 from service.attempts import assignment_for, drop_member
@@ -97,8 +97,12 @@ def assignments_for(
     ]
 
 
-def list_nodes(session: Session) -> list[tuple[Node, Attempt | None]]:
-    nodes = list(session.scalars(select(Node).order_by(Node.id)))
+def list_nodes(
+    session: Session, limit: int, offset: int
+) -> tuple[list[tuple[Node, Attempt | None]], int]:
+    """A page of nodes by id, each with the running attempt it serves; and the total."""
+    nodes = list(session.scalars(select(Node).order_by(Node.id).limit(limit).offset(offset)))
+    total = session.scalar(select(func.count()).select_from(Node)) or 0
     serving: dict[int, Attempt] = {}
     stmt = (
         select(AttemptMember.node_id, Attempt)
@@ -107,7 +111,7 @@ def list_nodes(session: Session) -> list[tuple[Node, Attempt | None]]:
     )
     for node_id, attempt in session.execute(stmt).all():
         serving[node_id] = attempt
-    return [(node, serving.get(node.id)) for node in nodes]
+    return [(node, serving.get(node.id)) for node in nodes], total
 
 
 def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.models import Role
 from service.states import AttemptState, JobState, MemberState, NodeState
 from worker.protocol import RestartPolicy
 from worker.tasks.registry import TASKS, task_args
@@ -244,11 +245,18 @@ class AttemptPublic(BaseModel):
     members: list[MemberPublic]
 
 
+REDACTED = "<redacted>"
+
+
 class JobPublic(BaseModel):
     id: int
     name: str
+    owner: str | None = Field(description="The user who submitted the job")
     state: JobState
-    spec: JobSpec
+    spec: JobSpec = Field(
+        description=f"As submitted, except that environment values read {REDACTED!r}: "
+        "they may hold secrets, so the API never sends them back"
+    )
     min_nodes: int
     max_nodes: int
     created_at: datetime
@@ -328,12 +336,18 @@ class NodePublic(BaseModel):
     state: NodeState
     registered_at: datetime
     last_heartbeat_at: datetime
-    attempt_id: int | None = None
-    job_id: int | None = None
+    busy: bool = Field(description="Serving a running attempt")
+    attempt_id: int | None = Field(
+        default=None, description="The attempt it serves, if the job is the caller's"
+    )
+    job_id: int | None = Field(default=None, description="The job it serves, if the caller's")
 
 
 class NodesPublic(BaseModel):
     items: list[NodePublic]
+    total: int
+    limit: int
+    offset: int
 
 
 class SnapshotPublic(_FromRow):
@@ -361,3 +375,60 @@ class Health(BaseModel):
         "API and takes over when the leader's lease expires"
     )
     leader: str | None = Field(description="The controller that holds the lease now, if any")
+
+
+class UserCreate(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    role: Role = Role.USER
+    max_active_jobs: int | None = Field(
+        default=None, ge=1, le=100_000, description="Default: RELAUNCH_DEFAULT_MAX_ACTIVE_JOBS"
+    )
+    max_nodes: int | None = Field(
+        default=None, ge=1, le=1_000_000, description="Default: RELAUNCH_DEFAULT_MAX_NODES"
+    )
+
+
+class UserPublic(_FromRow):
+    id: int
+    name: str
+    role: Role
+    max_active_jobs: int | None
+    max_nodes: int | None
+    created_at: datetime
+
+
+class UsersPublic(BaseModel):
+    items: list[UserPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class TokenCreate(_Strict):
+    label: str = Field(
+        default="", max_length=64, description="What the token is for, e.g. 'laptop' or 'ci'"
+    )
+
+
+class TokenPublic(_FromRow):
+    """A token as listed: never its text, which only its creation shows."""
+
+    id: int
+    user_id: int
+    label: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class TokensPublic(BaseModel):
+    items: list[TokenPublic]
+
+
+class TokenCreated(BaseModel):
+    token: TokenPublic
+    secret: str = Field(description="The token's text, shown this once; only its hash is kept")
+
+
+class UserCreated(BaseModel):
+    user: UserPublic
+    token: TokenCreated

@@ -7,7 +7,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.runtime.storage import is_url
@@ -76,6 +76,32 @@ class ControllerSettings(BaseSettings):
         le=3600,
         description="How long the acting controller's lease lasts without renewal; a standby "
         "controller on the same database takes over this long after the leader dies",
+    )
+
+    enrolment_token: SecretStr | None = Field(
+        default=None,
+        min_length=24,
+        description="The secret a node agent shows to register; each registered node then "
+        "gets a token of its own. Unset: no node can register",
+    )
+    max_body_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest request body the API reads; a larger one is refused with 413",
+    )
+    default_max_active_jobs: int = Field(
+        default=16,
+        ge=1,
+        le=100_000,
+        description="Jobs a user may have not yet finished, unless set for the user",
+    )
+    default_max_nodes: int = Field(
+        default=64,
+        ge=1,
+        le=1_000_000,
+        description="Nodes a user's unfinished jobs may hold together (their MAX nnodes), "
+        "unless set for the user",
     )
 
     rdzv_last_call_timeout_s: int = Field(default=2, ge=0, le=600)

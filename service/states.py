@@ -40,7 +40,7 @@ class JobState(StrEnum):
     CANCELLED = "CANCELLED"
 
     def is_terminal(self) -> bool:
-        return self in _JOB_TERMINAL
+        return self in TERMINAL_JOB_STATES
 
     def is_active(self) -> bool:
         """Placed on nodes: an attempt of the job is running."""
@@ -51,7 +51,7 @@ class JobState(StrEnum):
         return self in (JobState.PENDING, JobState.WAITING)
 
 
-_JOB_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),

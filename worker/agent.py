@@ -311,5 +311,7 @@ class NodeAgent:
 
 def run_agent(settings: AgentSettings) -> None:
     """Run a node agent until SIGTERM/SIGINT (call from the main thread)."""
-    with ControllerClient(settings.controller_url) as client:
+    with ControllerClient(
+        settings.controller_url, settings.enrolment_token.get_secret_value()
+    ) as client:
         NodeAgent(settings, client).run()

@@ -64,6 +64,12 @@ _PREFIX = re.compile(rf"^\[{TORCHRUN_ROLE}(\d+)\]:")
 # Variables torchrun would read as defaults for its own options, or to change the prefix.
 _TORCHRUN_ENV_PREFIX = "PET_"
 _PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+# The agent's and the controller's own settings, credentials among them: a job's
+# code runs as the job's user and must not read the node's enrolment token.
+_NOT_FOR_WORKERS = re.compile(
+    r"^(RELAUNCH_AGENT_.*|RELAUNCH_ENROLMENT_TOKEN|RELAUNCH_TOKEN|DATABASE_URL|"
+    r"RELAUNCH_DATABASE_URL)$"
+)
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 # Agent-internal (not part of the protocol): which agent started a process.
 AGENT_DIR_ENV = "RELAUNCH_NODE_AGENT_DIR"
@@ -136,11 +142,15 @@ def build_launcher_env(
     base_env: Mapping[str, str],
     progress_dir: Path | None = None,
 ) -> dict[str, str]:
-    """The launcher's environment; its workers inherit it. Ours wins over ``assignment.env``."""
+    """The launcher's environment; its workers inherit it. Ours wins over ``assignment.env``.
+
+    The agent's own settings and credentials are left out."""
     env = {
         k: v
         for k, v in base_env.items()
-        if not k.startswith(_TORCHRUN_ENV_PREFIX) and k != _PREFIX_TEMPLATE_ENV
+        if not k.startswith(_TORCHRUN_ENV_PREFIX)
+        and k != _PREFIX_TEMPLATE_ENV
+        and not _NOT_FOR_WORKERS.match(k)
     }
     env.update(assignment.env)
     env.update(attempt_marker(settings, assignment.attempt_id))

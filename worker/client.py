@@ -4,11 +4,15 @@ Connection failures and gateway errors (502/503/504) are retried a few times
 with backoff; whatever still fails surfaces as a ``ControllerError`` subclass,
 so callers decide per endpoint what a failure means:
 
-- ``UnknownNodeError`` (404): the controller does not know this node id; register again.
+- ``UnknownNodeError`` (404, or 401 to a node token): the controller does not know this
+  node or its token; register again.
 - ``FencedError`` (409 on a report): the attempt is no longer this node's; stop it.
 - ``ControllerUnavailableError``: no answer; keep the data and try again later.
 
 Delivery is at least once: a report whose reply was lost is sent again.
+
+Registration carries the controller's enrolment token; its reply carries this
+node's own token, which every later call carries instead.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class ControllerUnavailableError(ControllerError):
 
 
 class UnknownNodeError(ControllerError):
-    """404: the controller does not know this node id (e.g. it lost its state)."""
+    """404 or 401: the controller does not know this node id or its token (it lost its
+    state, or the node registered again elsewhere)."""
 
 
 class FencedError(ControllerError):
@@ -69,6 +74,7 @@ class ControllerClient:
     def __init__(
         self,
         base_url: str,
+        enrolment_token: str,
         *,
         timeout_s: float = 5.0,
         attempts: int = 3,
@@ -82,6 +88,8 @@ class ControllerClient:
         )
         self._attempts = attempts
         self._backoff_s = backoff_s
+        self._enrolment_token = enrolment_token
+        self._node_token: str | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -93,26 +101,38 @@ class ControllerClient:
         self.close()
 
     def register(self, body: NodeRegister) -> NodeRegistered:
-        return self._call("/nodes/register", body, NodeRegistered)
+        reply = self._call("/nodes/register", body, NodeRegistered, self._enrolment_token)
+        self._node_token = reply.node_token
+        return reply
 
     def heartbeat(self, node_id: int, body: Heartbeat) -> HeartbeatReply:
-        return self._call(f"/nodes/{node_id}/heartbeat", body, HeartbeatReply)
+        return self._call(f"/nodes/{node_id}/heartbeat", body, HeartbeatReply, self._as_node())
 
     def report(self, node_id: int, body: AttemptReport) -> ReportAccepted:
         try:
-            return self._call(f"/nodes/{node_id}/reports", body, ReportAccepted)
+            return self._call(f"/nodes/{node_id}/reports", body, ReportAccepted, self._as_node())
         except ControllerError as exc:
             if exc.status_code == 409:
                 raise FencedError(str(exc), 409) from exc
             raise
 
     def leave(self, node_id: int, body: NodeLeave) -> NodeLeft:
-        return self._call(f"/nodes/{node_id}/leave", body, NodeLeft)
+        return self._call(f"/nodes/{node_id}/leave", body, NodeLeft, self._as_node())
 
-    def _call(self, path: str, body: BaseModel, reply_type: type[_M]) -> _M:
-        response = self._post(path, body)
-        if response.status_code == 404:
-            raise UnknownNodeError(f"POST {path}: 404 {response.text[:200]}", 404)
+    def _as_node(self) -> str:
+        if self._node_token is None:
+            raise UnknownNodeError("this agent has not registered yet", None)
+        return self._node_token
+
+    def _call(self, path: str, body: BaseModel, reply_type: type[_M], token: str) -> _M:
+        response = self._post(path, body, token)
+        if response.status_code == 404 or (
+            response.status_code == 401 and token is self._node_token
+        ):
+            raise UnknownNodeError(
+                f"POST {path}: {response.status_code} {response.text[:200]}",
+                response.status_code,
+            )
         if response.is_error:
             raise ControllerError(
                 f"POST {path}: {response.status_code} {response.text[:500]}",
@@ -123,7 +143,7 @@ class ControllerClient:
         except ValidationError as exc:
             raise ControllerError(f"POST {path}: unexpected reply: {exc}") from exc
 
-    def _post(self, path: str, body: BaseModel) -> httpx.Response:
+    def _post(self, path: str, body: BaseModel, token: str) -> httpx.Response:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
             stop=tenacity.stop_after_attempt(self._attempts),
@@ -136,7 +156,10 @@ class ControllerClient:
                     response = self._http.post(
                         path,
                         content=body.model_dump_json(),
-                        headers={"content-type": "application/json"},
+                        headers={
+                            "content-type": "application/json",
+                            "authorization": f"Bearer {token}",
+                        },
                     )
                     if response.status_code in _RETRY_STATUS:
                         raise _RetryableStatus(response)

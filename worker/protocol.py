@@ -83,6 +83,10 @@ class NodeRegister(BaseModel):
 class NodeRegistered(BaseModel):
     node_id: int
     heartbeat_interval_s: float
+    node_token: str = Field(
+        description="This node's credential for heartbeats, reports and leave; a new "
+        "registration replaces it"
+    )
 
 
 class Entrypoint(BaseModel):

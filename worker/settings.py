@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 NODE_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
@@ -31,6 +31,11 @@ class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RELAUNCH_AGENT_", extra="ignore")
 
     controller_url: str = Field(description="Base URL of the controller, e.g. http://host:8000")
+    enrolment_token: SecretStr = Field(
+        min_length=1,
+        description="The controller's RELAUNCH_ENROLMENT_TOKEN; read from the environment "
+        "only, never from the command line",
+    )
     name: str = Field(
         default_factory=default_node_name,
         min_length=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -11,9 +12,18 @@ from pathlib import Path
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 
-from service.api import health, jobs, nodes
+from service import auth
+from service.api import health, jobs, nodes, users
+from service.api.limits import BodyLimit
 from service.db import make_engine, make_session_factory, upgrade_to_head, wait_for_database
-from service.errors import Conflict, NotFound, StaleState
+from service.errors import (
+    Conflict,
+    Forbidden,
+    IdempotencyMismatch,
+    NotFound,
+    StaleState,
+    Unauthenticated,
+)
 from service.reconciler import Reconciler, utcnow
 from service.settings import ControllerSettings
 from service.states import InvalidTransition
@@ -38,6 +48,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         wait_for_database(engine, settings.database_wait_s)
         upgrade_to_head(settings.db_url)
+        first_token = auth.bootstrap_admin(factory, clock())
+        if first_token is not None:
+            announce_first_admin(first_token)
         if settings.snapshots_are_local:
             Path(settings.snapshots).mkdir(parents=True, exist_ok=True)
         store = StoreSupervisor(settings.store_host, settings.store_port)
@@ -64,10 +77,20 @@ def create_app(
     app.state.clock = clock
     app.state.engine = engine
     app.include_router(health.router)
-    for router in (jobs.router, nodes.router):
+    for router in (jobs.router, nodes.router, users.router):
         app.include_router(router, prefix=API_PREFIX)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     _map_errors(app)
     return app
+
+
+FIRST_ADMIN_BANNER = "relaunch: first start; the admin's API token (shown this once):"
+
+
+def announce_first_admin(token: str) -> None:
+    """Print the first admin's token on stderr, not through logging, so it is not
+    copied to wherever logs are shipped. Only its hash is kept."""
+    print(f"{FIRST_ADMIN_BANNER}\n{token}", file=sys.stderr, flush=True)
 
 
 def _map_errors(app: FastAPI) -> None:
@@ -76,6 +99,24 @@ def _map_errors(app: FastAPI) -> None:
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_404_NOT_FOUND, content={"detail": str(exc)})
+
+    @app.exception_handler(Unauthenticated)
+    async def unauthenticated(_: Request, exc: Unauthenticated) -> JSONResponse:
+        return JSONResponse(
+            status_code=status.HTTP_401_UNAUTHORIZED,
+            content={"detail": str(exc)},
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(_: Request, exc: Forbidden) -> JSONResponse:
+        return JSONResponse(status_code=status.HTTP_403_FORBIDDEN, content={"detail": str(exc)})
+
+    @app.exception_handler(IdempotencyMismatch)
+    async def mismatch(_: Request, exc: IdempotencyMismatch) -> JSONResponse:
+        return JSONResponse(
+            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT, content={"detail": str(exc)}
+        )
 
     @app.exception_handler(Conflict)
     async def conflict(_: Request, exc: Conflict) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""Typed dependencies shared by the routers."""
+"""Typed dependencies shared by the routers: the transaction, settings, clock and caller."""
 
 from __future__ import annotations
 
@@ -6,9 +6,14 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import auth
+from service.db import transaction
+from service.errors import Forbidden, Unauthenticated
+from service.models import Node, Role, User
 from service.settings import ControllerSettings
 
 
@@ -29,14 +34,86 @@ def get_now(request: Request) -> datetime:
     return clock()
 
 
-# scope="function": commit before the response is sent, so a client that got 201
-# can read what it created at once (the default scope commits after sending).
 def get_session_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     return factory
 
 
+# scope="function": commit before the response is sent, so a client that got 201
+# can read what it created at once (the default scope commits after sending).
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[ControllerSettings, Depends(get_settings)]
 NowDep = Annotated[datetime, Depends(get_now)]
 FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
+
+# Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
+MAX_ID = 2**63 - 1
+IdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
+Offset = Annotated[int, Query(ge=0, le=10**9)]
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="A user's API token (rlu_…) for the job and user routes; a node's token "
+    "(rln_…) or the enrolment token for the node agent routes",
+)
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _token(credentials: HTTPAuthorizationCredentials | None) -> str:
+    if credentials is None:
+        raise Unauthenticated("send a token: 'Authorization: Bearer <token>'")
+    return credentials.credentials
+
+
+# The caller is looked up in a transaction of its own, ended before the route
+# runs: a route that opens its own transactions (retry_on_stale) must not wait
+# behind one the credential check still holds (SQLite runs one at a time).
+
+
+def get_user(factory: FactoryDep, credentials: BearerDep) -> User:
+    token = _token(credentials)
+    with transaction(factory) as session:
+        user = auth.user_for_token(session, token)
+        if user is not None:
+            return user
+        if auth.node_for_token(session, token) is not None:
+            raise Forbidden("a node's token cannot call user routes; use a user's API token")
+    raise Unauthenticated("the token is unknown or revoked")
+
+
+def get_admin(user: Annotated[User, Depends(get_user)]) -> User:
+    if user.role is not Role.ADMIN:
+        raise Forbidden(f"user {user.name!r} is not an admin")
+    return user
+
+
+def get_node(node_id: IdPath, factory: FactoryDep, credentials: BearerDep) -> Node:
+    """The node whose token the call carries; it must be the node the path names."""
+    token = _token(credentials)
+    with transaction(factory) as session:
+        node = auth.node_for_token(session, token)
+        if node is None:
+            if auth.user_for_token(session, token) is not None:
+                raise Forbidden("a user's token cannot act as a node")
+            raise Unauthenticated("the node token is unknown; register again")
+    if node.id != node_id:
+        raise Forbidden(f"this token belongs to node {node.id}, not node {node_id}")
+    return node
+
+
+def check_enrolment(settings: SettingsDep, credentials: BearerDep) -> None:
+    """A registering agent must show the controller's enrolment token."""
+    token = _token(credentials)
+    expected = settings.enrolment_token
+    if expected is None:
+        raise Forbidden(
+            "this controller accepts no nodes: start it with RELAUNCH_ENROLMENT_TOKEN set"
+        )
+    if not auth.same_secret(token, expected.get_secret_value()):
+        raise Unauthenticated("the enrolment token is wrong")
+
+
+UserDep = Annotated[User, Depends(get_user)]
+AdminDep = Annotated[User, Depends(get_admin)]
+NodeDep = Annotated[Node, Depends(get_node)]
+EnrolledDep = Annotated[None, Depends(check_enrolment)]

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Header, Query, Response, status
+from sqlalchemy.exc import IntegrityError
 
 from service import jobs
-from service.api.deps import FactoryDep, NowDep, SessionDep
-from service.db import retry_on_stale
+from service.api.deps import (
+    MAX_ID,
+    FactoryDep,
+    IdPath,
+    NowDep,
+    Offset,
+    SessionDep,
+    SettingsDep,
+    UserDep,
+)
+from service.db import retry_on_stale, transaction
 from service.models import Attempt, Job
 from service.schemas import (
+    REDACTED,
     AttemptPublic,
     EventPublic,
     EventsPublic,
@@ -32,14 +43,18 @@ from service.states import JobState
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 Limit = Annotated[int, Query(ge=1, le=1000, description="At most this many items")]
-AfterId = Annotated[int, Query(ge=0, description="Only items with a larger id (for polling)")]
+AfterId = Annotated[
+    int, Query(ge=0, le=MAX_ID, description="Only items with a larger id (for polling)")
+]
 
 
 def job_public(job: Job) -> JobPublic:
     spec = JobSpec.model_validate(job.spec)
+    spec.env = dict.fromkeys(spec.env, REDACTED)
     return JobPublic(
         id=job.id,
         name=job.name,
+        owner=job.owner.name if job.owner else None,
         state=job.state,
         spec=spec,
         min_nodes=spec.min_nodes,
@@ -86,65 +101,115 @@ def attempt_public(attempt: Attempt) -> AttemptPublic:
     )
 
 
-@router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
-def submit(body: JobCreate, session: SessionDep, now: NowDep) -> JobPublic:
-    job = jobs.submit_job(session, body, now)
-    return job_public(job)
+IdempotencyKeyHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        description="Send the same key again (after a timeout, say) to get the job the first "
+        "submit made instead of a second job; the same key with another body is refused (422)",
+    ),
+]
+
+
+@router.post(
+    "",
+    response_model=JobPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {"model": JobPublic, "description": "Idempotency-Key seen before: that job"},
+        409: {"description": "A limit of the user's would be passed"},
+    },
+)
+def submit(
+    body: JobCreate,
+    user: UserDep,
+    factory: FactoryDep,
+    settings: SettingsDep,
+    now: NowDep,
+    response: Response,
+    idempotency_key: IdempotencyKeyHeader = None,
+) -> JobPublic:
+    limits = jobs.Limits(settings.default_max_active_jobs, settings.default_max_nodes)
+    spec: JobSpec = body
+    try:
+        with transaction(factory) as session:
+            job, created = jobs.submit_job(session, spec, user, now, limits, idempotency_key)
+            public = job_public(job)
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        # A submit with the same key committed first; this one finds its job.
+        with transaction(factory) as session:
+            job, created = jobs.submit_job(session, spec, user, now, limits, idempotency_key)
+            public = job_public(job)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return public
 
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     session: SessionDep,
+    user: UserDep,
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Offset = 0,
 ) -> JobsPublic:
-    items, total = jobs.list_jobs(session, state, limit, offset)
+    items, total = jobs.list_jobs(session, user, state, limit, offset)
     return JobsPublic(items=[job_public(j) for j in items], total=total, limit=limit, offset=offset)
 
 
 @router.get("/{job_id}", response_model=JobDetail)
-def get_job(job_id: int, session: SessionDep) -> JobDetail:
-    job = jobs.get_job(session, job_id)
+def get_job(job_id: IdPath, session: SessionDep, user: UserDep) -> JobDetail:
+    job = jobs.job_for(session, job_id, user)
     attempts = [attempt_public(a) for a in job.attempts]
     return JobDetail(**job_public(job).model_dump(), attempts=attempts)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel(job_id: int, factory: FactoryDep, now: NowDep) -> JobPublic:
-    return retry_on_stale(factory, lambda s: job_public(jobs.cancel_job(s, job_id, now)))
+def cancel(job_id: IdPath, user: UserDep, factory: FactoryDep, now: NowDep) -> JobPublic:
+    return retry_on_stale(factory, lambda s: job_public(jobs.cancel_job(s, job_id, user, now)))
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic)
 def events(
-    job_id: int, session: SessionDep, after_id: AfterId = 0, limit: Limit = 500
+    job_id: IdPath, session: SessionDep, user: UserDep, after_id: AfterId = 0, limit: Limit = 500
 ) -> EventsPublic:
-    rows = jobs.job_events(session, job_id, after_id, limit)
+    rows = jobs.job_events(session, job_id, user, after_id, limit)
     return EventsPublic(items=[EventPublic.model_validate(r) for r in rows])
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
 def metrics(
-    job_id: int, session: SessionDep, after_id: AfterId = 0, limit: Limit = 1000
+    job_id: IdPath, session: SessionDep, user: UserDep, after_id: AfterId = 0, limit: Limit = 1000
 ) -> MetricsPublic:
-    rows = jobs.job_metrics(session, job_id, after_id, limit)
+    rows = jobs.job_metrics(session, job_id, user, after_id, limit)
     return MetricsPublic(items=[MetricPublic.model_validate(r) for r in rows])
 
 
 @router.get("/{job_id}/logs", response_model=LogsPublic)
 def logs(
-    job_id: int,
+    job_id: IdPath,
     session: SessionDep,
+    user: UserDep,
     after_id: AfterId = 0,
     limit: Limit = 1000,
-    local_rank: Annotated[int | None, Query(ge=0)] = None,
-    node_id: Annotated[int | None, Query(ge=0)] = None,
+    local_rank: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    node_id: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
 ) -> LogsPublic:
-    rows = jobs.job_logs(session, job_id, after_id, limit, local_rank, node_id)
+    rows = jobs.job_logs(session, job_id, user, after_id, limit, local_rank, node_id)
     return LogsPublic(items=[LogPublic.model_validate(r) for r in rows])
 
 
 @router.get("/{job_id}/snapshots", response_model=SnapshotsPublic)
-def snapshots(job_id: int, session: SessionDep) -> SnapshotsPublic:
-    rows = jobs.job_snapshots(session, job_id)
+def snapshots(
+    job_id: IdPath,
+    session: SessionDep,
+    user: UserDep,
+    limit: Limit = 1000,
+    offset: Offset = 0,
+) -> SnapshotsPublic:
+    rows = jobs.job_snapshots(session, job_id, user, limit, offset)
     return SnapshotsPublic(items=[SnapshotPublic.model_validate(r) for r in rows])

@@ -1,12 +1,29 @@
-"""Routes for node agents (register, heartbeat, report) and for watching nodes."""
+"""Routes for node agents (register, heartbeat, report, leave) and for watching nodes.
+
+An agent registers with the controller's enrolment token and gets a token of
+its own; every later call of the node carries that token, and a node may act
+only as itself.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-from service import nodes, reports
-from service.api.deps import FactoryDep, NowDep, SessionDep, SettingsDep
+from fastapi import APIRouter, Query
+
+from service import auth, nodes, reports
+from service.api.deps import (
+    EnrolledDep,
+    FactoryDep,
+    NodeDep,
+    NowDep,
+    Offset,
+    SessionDep,
+    SettingsDep,
+    UserDep,
+)
 from service.db import retry_on_stale
+from service.models import Role
 from service.schemas import NodePublic, NodesPublic
 from worker.protocol import (
     AttemptReport,
@@ -24,46 +41,64 @@ router = APIRouter(prefix="/nodes", tags=["nodes"])
 
 @router.post("/register", response_model=NodeRegistered)
 def register(
-    body: NodeRegister, session: SessionDep, settings: SettingsDep, now: NowDep
+    body: NodeRegister,
+    _: EnrolledDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    now: NowDep,
 ) -> NodeRegistered:
     node = nodes.register_node(session, body, now)
-    return NodeRegistered(node_id=node.id, heartbeat_interval_s=settings.heartbeat_interval_s)
+    return NodeRegistered(
+        node_id=node.id,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        node_token=auth.issue_node_token(session, node),
+    )
 
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(
-    node_id: int, body: Heartbeat, session: SessionDep, settings: SettingsDep, now: NowDep
+    node: NodeDep, body: Heartbeat, session: SessionDep, settings: SettingsDep, now: NowDep
 ) -> HeartbeatReply:
-    return nodes.heartbeat(session, node_id, body, settings, now)
+    return nodes.heartbeat(session, node.id, body, settings, now)
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)
-def report(node_id: int, body: AttemptReport, factory: FactoryDep, now: NowDep) -> ReportAccepted:
+def report(node: NodeDep, body: AttemptReport, factory: FactoryDep, now: NowDep) -> ReportAccepted:
     """409 means fenced (stop the attempt); 503 means retry later."""
-    retry_on_stale(factory, lambda s: reports.handle_report(s, node_id, body, now))
+    retry_on_stale(factory, lambda s: reports.handle_report(s, node.id, body, now))
     return ReportAccepted(accepted=True)
 
 
 @router.post("/{node_id}/leave", response_model=NodeLeft)
-def leave(node_id: int, body: NodeLeave, session: SessionDep, now: NowDep) -> NodeLeft:
+def leave(node: NodeDep, body: NodeLeave, session: SessionDep, now: NowDep) -> NodeLeft:
     """The agent is stopping: drop the node from its attempts now, not at its timeout."""
-    return NodeLeft(left=nodes.leave(session, node_id, body.reason, now))
+    return NodeLeft(left=nodes.leave(session, node.id, body.reason, now))
 
 
 @router.get("", response_model=NodesPublic)
-def list_nodes(session: SessionDep) -> NodesPublic:
-    items = [
-        NodePublic(
-            id=node.id,
-            name=node.name,
-            address=node.address,
-            slots=node.slots,
-            state=node.state,
-            registered_at=node.registered_at,
-            last_heartbeat_at=node.last_heartbeat_at,
-            attempt_id=attempt.id if attempt else None,
-            job_id=attempt.job_id if attempt else None,
+def list_nodes(
+    session: SessionDep,
+    user: UserDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    offset: Offset = 0,
+) -> NodesPublic:
+    """Every node; the job a node serves is shown only to that job's owner and to admins."""
+    page, total = nodes.list_nodes(session, limit, offset)
+    items = []
+    for node, attempt in page:
+        mine = attempt is not None and (user.role is Role.ADMIN or attempt.job.owner_id == user.id)
+        items.append(
+            NodePublic(
+                id=node.id,
+                name=node.name,
+                address=node.address,
+                slots=node.slots,
+                state=node.state,
+                registered_at=node.registered_at,
+                last_heartbeat_at=node.last_heartbeat_at,
+                busy=attempt is not None,
+                attempt_id=attempt.id if attempt and mine else None,
+                job_id=attempt.job_id if attempt and mine else None,
+            )
         )
-        for node, attempt in nodes.list_nodes(session)
-    ]
-    return NodesPublic(items=items)
+    return NodesPublic(items=items, total=total, limit=limit, offset=offset)

@@ -19,7 +19,7 @@ from service.settings import ControllerSettings
 from tests.deploy.compose import MissingVariable, cli_commands, load_compose
 from worker.settings import AgentSettings
 
-ENV = {"POSTGRES_PASSWORD": "s3cret"}
+ENV = {"POSTGRES_PASSWORD": "s3cret", "RELAUNCH_ENROLMENT_TOKEN": "e" * 32}
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +49,10 @@ def test_the_checker_catches_a_broken_file(compose: dict[str, Any]) -> None:
         PyCompose.from_json(json.dumps(broken))
 
 
-def test_there_is_no_default_database_password() -> None:
-    with pytest.raises(MissingVariable, match="POSTGRES_PASSWORD"):
-        load_compose({})
+@pytest.mark.parametrize("secret", sorted(ENV))
+def test_there_is_no_default_for_a_secret(secret: str) -> None:
+    with pytest.raises(MissingVariable, match=secret):
+        load_compose({k: v for k, v in ENV.items() if k != secret})
 
 
 def test_postgres_is_checked_and_keeps_its_data(compose: dict[str, Any]) -> None:

@@ -40,13 +40,18 @@ class ComposeHere:
     """Starts the services of docker-compose.yml as local processes."""
 
     def __init__(self, data: Path, database_url: str) -> None:
-        self.compose = load_compose({"POSTGRES_PASSWORD": "unused-here"})
-        self.services = self.compose["services"]
         self.snapshots = data / "volumes" / "snapshots"
         self.snapshots.mkdir(parents=True)
         self.cluster = LocalCluster(
             data_dir=data, port=free_port(), store_port=free_port(), snapshot_root=self.snapshots
         )
+        self.compose = load_compose(
+            {
+                "POSTGRES_PASSWORD": "unused-here",
+                "RELAUNCH_ENROLMENT_TOKEN": self.cluster.enrolment_token,
+            }
+        )
+        self.services = self.compose["services"]
         self.database_url = database_url
         self.data = data
 
@@ -90,6 +95,7 @@ class ComposeHere:
         env = self._container_env("controller", "controller")
         self.cluster.spawn("controller", self.services["controller"]["command"], env)
         self.cluster.wait_healthy()
+        self.cluster.learn_admin_token()
 
     def start_agent(self, name: str) -> None:
         """One more replica of the agent service (a container named ``name``)."""
@@ -130,7 +136,7 @@ def test_a_job_survives_a_stopped_agent_and_a_new_one_on_postgresql(
     assert deployment.healthcheck("controller", "controller") == 0
     assert deployment.healthcheck("agent-1", "agent") == 0
 
-    with RelaunchClient(cluster.url) as client:
+    with cluster.client() as client:
         assert client.health()["role"] == "leader"
         spec: dict[str, Any] = regression(
             "compose", "2:3", params={"epochs": 6, "step_delay": 0.25}

@@ -12,7 +12,6 @@ import httpx
 import psutil
 import pytest
 
-from service.client import RelaunchClient
 from service.demo import LocalCluster, free_port
 from tests.conftest import wait_for
 from tests.e2e.conftest import POLL_S, dump_logs
@@ -21,8 +20,14 @@ pytestmark = pytest.mark.e2e
 LEASE_S = 2.0
 
 
-def _controller(data: Path, database_url: str, name: str) -> LocalCluster:
+def _controller(
+    data: Path, database_url: str, name: str, first: LocalCluster | None = None
+) -> LocalCluster:
+    """A controller; after the ``first``, one that shares its database and secrets (the
+    first admin is made, and its token shown, only by the controller that starts first)."""
     c = LocalCluster(data_dir=data / name, port=free_port(), store_port=free_port())
+    if first is not None:
+        c.admin_token, c.enrolment_token = first.admin_token, first.enrolment_token
     c.data_dir.mkdir(parents=True)
     c.start_controller(
         {
@@ -46,7 +51,7 @@ def _stores(port: int) -> list[psutil.Process]:
 @pytest.fixture
 def pair(tmp_path: Path, pg_database: str) -> Iterator[tuple[LocalCluster, LocalCluster]]:
     a = _controller(tmp_path, pg_database, "ctl-a")
-    b = _controller(tmp_path, pg_database, "ctl-b")
+    b = _controller(tmp_path, pg_database, "ctl-b", first=a)
     try:
         yield a, b
     finally:
@@ -58,7 +63,7 @@ def pair(tmp_path: Path, pg_database: str) -> Iterator[tuple[LocalCluster, Local
 
 
 def _health(c: LocalCluster) -> dict[str, Any]:
-    with RelaunchClient(c.url) as client:
+    with c.client() as client:
         return client.health()
 
 
@@ -71,9 +76,11 @@ def test_one_controller_acts_and_the_other_takes_over_when_it_dies(
     assert sorted(roles.values()) == ["leader", "standby"], roles
     leader, standby = (a, b) if roles["ctl-a"] == "leader" else (b, a)
 
-    with RelaunchClient(standby.url) as client:  # the standby serves the API too
+    with standby.client() as client:  # the standby serves the API too
         node = {"name": "n1", "address": "127.0.0.1", "slots": 1, "pid": 1}
-        node_id = httpx.post(f"{standby.url}/api/v1/nodes/register", json=node).json()["node_id"]
+        enrol = {"authorization": f"Bearer {standby.enrolment_token}"}
+        registered = httpx.post(f"{standby.url}/api/v1/nodes/register", json=node, headers=enrol)
+        node_id, node_token = registered.json()["node_id"], registered.json()["node_token"]
         job_id = client.submit({"name": "j", "task": {"name": "regression"}, "nnodes": "1"})["id"]
         placed = wait_for("placement", lambda: client.job(job_id)["attempts"], 20, POLL_S)
         assert len(placed) == 1
@@ -88,7 +95,11 @@ def test_one_controller_acts_and_the_other_takes_over_when_it_dies(
         assert health["leader"] == health["controller"]
         second = client.submit({"name": "k", "task": {"name": "regression"}, "nnodes": "1"})["id"]
         client.cancel(job_id)  # frees n1 for the second job, which the new leader places
-        beat = httpx.post(f"{standby.url}/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
+        beat = httpx.post(
+            f"{standby.url}/api/v1/nodes/{node_id}/heartbeat",
+            json={"running": []},
+            headers={"authorization": f"Bearer {node_token}"},
+        )
         assert beat.status_code == 200
         assert wait_for("placement by the new leader", lambda: client.job(second)["attempts"], 20)
         placed_events = [e for e in client.events(job_id) if e["kind"] == "placed"]

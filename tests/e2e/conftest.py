@@ -54,7 +54,7 @@ def dump_logs(data: Path) -> None:
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
-    with RelaunchClient(cluster.url) as c:
+    with cluster.client() as c:
         yield c
 
 

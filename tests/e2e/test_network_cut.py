@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.client import RelaunchClient
 from service.demo import LocalCluster, free_port
 from tests.conftest import wait_for
 from tests.e2e.conftest import POLL_S, dump_logs, wait_no_processes, wait_terminal
@@ -90,7 +89,7 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def test_a_node_cut_off_the_network_is_left_behind_and_fenced_when_it_returns(
     cluster: LocalCluster, hosts: Hosts
 ) -> None:
-    with RelaunchClient(cluster.url) as client:
+    with cluster.client() as client:
         spec = regression("cut", "1:2", hang_timeout_s=5, params={"epochs": 5, "step_delay": 0.15})
         job_id = client.submit(spec)["id"]
         wait_world_size(client, job_id, 2, after_step=6)

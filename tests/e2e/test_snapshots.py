@@ -53,7 +53,7 @@ def cluster(
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
-    with RelaunchClient(cluster.url) as c:
+    with cluster.client() as c:
         yield c
 
 

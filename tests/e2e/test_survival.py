@@ -53,12 +53,12 @@ def nodes(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[lis
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
-    with RelaunchClient(cluster.url) as c:
+    with cluster.client() as c:
         yield c
 
 
 def alive_nodes(cluster: LocalCluster) -> set[str]:
-    with RelaunchClient(cluster.url) as c:
+    with cluster.client() as c:
         return {n["name"] for n in c.nodes() if n["state"] == "ALIVE"}
 
 

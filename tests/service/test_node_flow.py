@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
 from tests.conftest import FakeClock
+from tests.service.conftest import Cluster
 
 
 def register(api: TestClient, name: str, slots: int = 1) -> int:
@@ -320,9 +321,10 @@ def test_an_agent_that_restarts_gives_up_its_old_memberships(
     assert len(d["attempts"]) == 2
 
 
-def test_unknown_node_heartbeat_is_a_404(api: TestClient) -> None:
+def test_a_heartbeat_without_a_known_node_token_is_a_401(api: TestClient) -> None:
+    # An agent reads 401 to its node token as "the controller forgot me": it registers again.
     r = api.post("/api/v1/nodes/77/heartbeat", json={"running": []})
-    assert r.status_code == 404
+    assert r.status_code == 401
 
 
 def test_bad_node_registration_is_a_422(api: TestClient) -> None:
@@ -333,14 +335,15 @@ def test_bad_node_registration_is_a_422(api: TestClient) -> None:
 
 
 def test_a_restarted_controller_sees_the_same_world(
-    api: TestClient, reconciler: Reconciler, settings: Any, clock: FakeClock
+    api: Cluster, reconciler: Reconciler, settings: Any, clock: FakeClock
 ) -> None:
     from service.api.app import create_app
 
     register(api, "a")
     job_id = submit(api, "1:1")
     reconciler.run_once()
-    with TestClient(create_app(settings, clock=clock, run_background=False)) as again:
+    app = create_app(settings, clock=clock, run_background=False)
+    with TestClient(app, headers={"authorization": f"Bearer {api.user_token}"}) as again:
         assert job(again, job_id)["state"] == "RUNNING"
         assert again.get("/api/v1/nodes").json()["items"][0]["job_id"] == job_id
 
@@ -430,7 +433,7 @@ def test_a_bad_snapshot_keep_is_refused(api: TestClient, keep: Any) -> None:
 
 
 def test_a_stopping_agent_leaves_at_once_and_a_new_node_takes_its_place(
-    api: TestClient, reconciler: Reconciler, clock: FakeClock
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     """``docker compose stop``: no waiting out the heartbeat timeout."""
     a, b = register(api, "a"), register(api, "b")
@@ -450,6 +453,8 @@ def test_a_stopping_agent_leaves_at_once_and_a_new_node_takes_its_place(
     assert sorted(m["node_id"] for m in active) == sorted([b, a + 2])
     again = api.post(f"/api/v1/nodes/{a}/leave", json={})
     assert again.json() == {"left": False}  # idempotent
-    assert api.post("/api/v1/nodes/999/leave", json={}).status_code == 404
+    assert api.post("/api/v1/nodes/999/leave", json={}).status_code == 401  # no such token
+    as_b = {"authorization": f"Bearer {api.node_tokens[b]}"}
+    assert api.post("/api/v1/nodes/999/leave", json={}, headers=as_b).status_code == 403
     too_long = api.post(f"/api/v1/nodes/{b}/leave", json={"reason": "x" * 201})
     assert too_long.status_code == 422

@@ -6,6 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
+from service.auth import user_for_token
 from service.db import retry_on_stale, transaction
 from service.errors import StaleState
 from service.jobs import cancel_job, change_job_state, get_job
@@ -13,6 +14,7 @@ from service.models import Job
 from service.reconciler import Reconciler
 from service.states import JobState
 from tests.conftest import FakeClock
+from tests.service.conftest import Cluster
 
 
 def _pending_job(api: TestClient) -> int:
@@ -37,11 +39,13 @@ def test_a_stale_state_change_is_refused_and_changes_nothing(
 
 
 def test_a_cancel_that_loses_to_placement_retries_and_cancels(
-    api: TestClient, reconciler: Reconciler, clock: FakeClock
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     job_id = _pending_job(api)
     factory = api.app.state.session_factory  # type: ignore[attr-defined]
     with transaction(factory) as session:
+        admin = user_for_token(session, api.user_token)
+        assert admin is not None
         stale = get_job(session, job_id)  # read as PENDING ...
     reconciler.run_once()  # ... then placed before the cancel writes
     tries: list[JobState] = []
@@ -51,7 +55,7 @@ def test_a_cancel_that_loses_to_placement_retries_and_cancels(
             tries.append(stale.state)
             change_job_state(session, stale, JobState.CANCELLED, clock())
         tries.append(get_job(session, job_id).state)
-        return cancel_job(session, job_id, clock())
+        return cancel_job(session, job_id, admin, clock())
 
     job = retry_on_stale(factory, cancel)
     assert tries == [JobState.PENDING, JobState.RUNNING]

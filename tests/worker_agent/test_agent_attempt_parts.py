@@ -92,9 +92,22 @@ def test_entrypoint_needs_exactly_one(entry: Entrypoint) -> None:
 
 def test_launcher_env(tmp_path: Path) -> None:
     settings = AgentSettings(
-        controller_url="http://c:1", name="node-a", work_dir=tmp_path / "agent", stop_grace_s=5
+        enrolment_token="t",
+        controller_url="http://c:1",
+        name="node-a",
+        work_dir=tmp_path / "agent",
+        stop_grace_s=5,
     )
-    base = {"PATH": "/bin", "PET_TEE": "0", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "x"}
+    base = {
+        "PATH": "/bin",
+        "PET_TEE": "0",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "x",
+        "RELAUNCH_AGENT_ENROLMENT_TOKEN": "node-secret",
+        "RELAUNCH_AGENT_CONTROLLER_URL": "http://c:1",
+        "RELAUNCH_ENROLMENT_TOKEN": "node-secret",
+        "RELAUNCH_TOKEN": "rlu_user",
+        "DATABASE_URL": "postgresql://u:pw@db/relaunch",
+    }
     env = build_launcher_env(
         _assignment(snapshot_every_steps=10),
         settings=settings,
@@ -103,6 +116,10 @@ def test_launcher_env(tmp_path: Path) -> None:
     )
     assert env["PATH"] == "/bin" and env["FOO"] == "bar"
     assert "PET_TEE" not in env and "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in env
+    # The job's code never sees the node's credentials or the controller's database.
+    assert not {k for k in env if k.startswith("RELAUNCH_AGENT_")}
+    assert not {"RELAUNCH_ENROLMENT_TOKEN", "RELAUNCH_TOKEN", "DATABASE_URL"} & set(env)
+    assert "node-secret" not in env.values()
     assert env["RELAUNCH_JOB_ID"] == "3"
     assert env["RELAUNCH_ATTEMPT_ID"] == "12"  # ours wins over assignment.env
     assert env["RELAUNCH_NODE_NAME"] == "node-a"
@@ -206,7 +223,11 @@ def test_events_tail_finds_the_launcher_exit(tmp_path: Path) -> None:
 
 
 def test_markers_of_two_agents_with_one_node_name_differ(tmp_path: Path) -> None:
-    one = AgentSettings(controller_url="http://c:1", name="node-a", work_dir=tmp_path / "1")
-    two = AgentSettings(controller_url="http://c:2", name="node-a", work_dir=tmp_path / "2")
+    one = AgentSettings(
+        enrolment_token="t", controller_url="http://c:1", name="node-a", work_dir=tmp_path / "1"
+    )
+    two = AgentSettings(
+        enrolment_token="t", controller_url="http://c:2", name="node-a", work_dir=tmp_path / "2"
+    )
     assert attempt_marker(one, 1) != attempt_marker(two, 1)
     assert attempt_marker(one, 1)["RELAUNCH_ATTEMPT_ID"] == "1"

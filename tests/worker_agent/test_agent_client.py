@@ -10,25 +10,67 @@ from worker.client import (
 )
 from worker.protocol import AttemptReport, Heartbeat, NodeRegister
 
+ENROL = "enrolment-secret"
+REGISTERED = {"node_id": 1, "heartbeat_interval_s": 1.0, "node_token": "rln_one"}
+NODE = NodeRegister(name="n", address="a", slots=1, pid=1)
 
-def _client(handler: httpx.MockTransport, attempts: int = 3) -> ControllerClient:
-    return ControllerClient(
-        "http://controller:8000/", transport=handler, attempts=attempts, backoff_s=0.001
+
+def _client(
+    handler: httpx.MockTransport, attempts: int = 3, *, registered: bool = True
+) -> ControllerClient:
+    """A client; ``registered``: it has registered (through a stand-in answer) first."""
+    if not registered:
+        return ControllerClient(
+            "http://controller:8000/", ENROL, transport=handler, attempts=attempts, backoff_s=0.001
+        )
+    handled = handler.handle_request
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/register"):
+            return httpx.Response(200, json=REGISTERED)
+        return handled(request)
+
+    client = ControllerClient(
+        "http://controller:8000/",
+        ENROL,
+        transport=httpx.MockTransport(handle),
+        attempts=attempts,
+        backoff_s=0.001,
     )
+    client.register(NODE)
+    return client
 
 
-def test_register_posts_to_the_api_and_parses_the_reply() -> None:
+def test_register_shows_the_enrolment_token_then_calls_carry_the_node_token() -> None:
     seen: list[httpx.Request] = []
 
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        return httpx.Response(200, json={"node_id": 4, "heartbeat_interval_s": 1.5})
+        if request.url.path.endswith("/register"):
+            return httpx.Response(
+                200, json={**REGISTERED, "node_id": 4, "heartbeat_interval_s": 1.5}
+            )
+        return httpx.Response(200, json={"assignments": []})
 
-    with _client(httpx.MockTransport(handle)) as client:
+    with _client(httpx.MockTransport(handle), registered=False) as client:
+        with pytest.raises(UnknownNodeError):  # no node token before registering
+            client.heartbeat(4, Heartbeat())
         reply = client.register(NodeRegister(name="n", address="a", slots=2, pid=1))
+        client.heartbeat(4, Heartbeat())
     assert reply.node_id == 4 and reply.heartbeat_interval_s == 1.5
     assert str(seen[0].url) == "http://controller:8000/api/v1/nodes/register"
     assert NodeRegister.model_validate_json(seen[0].content).slots == 2
+    assert seen[0].headers["authorization"] == f"Bearer {ENROL}"
+    assert seen[1].headers["authorization"] == "Bearer rln_one"
+
+
+def test_401_to_the_node_token_means_register_again() -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(401, json={"detail": "unknown"}))
+    with _client(transport) as client, pytest.raises(UnknownNodeError):
+        client.heartbeat(1, Heartbeat())
+    with _client(transport, registered=False) as client, pytest.raises(ControllerError) as info:
+        client.register(NODE)  # a wrong enrolment token is not "register again"
+    assert not isinstance(info.value, UnknownNodeError) and info.value.status_code == 401
 
 
 def test_connection_errors_are_retried_then_reported_as_unavailable() -> None:
@@ -85,5 +127,5 @@ def test_other_errors_and_bad_replies_are_controller_errors() -> None:
     assert info.value.status_code == 422
 
     transport = httpx.MockTransport(lambda r: httpx.Response(200, json={"unexpected": 1}))
-    with _client(transport) as client, pytest.raises(ControllerError):
-        client.register(NodeRegister(name="n", address="a", slots=1, pid=1))
+    with _client(transport, registered=False) as client, pytest.raises(ControllerError):
+        client.register(NODE)

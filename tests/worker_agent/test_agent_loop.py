@@ -20,7 +20,7 @@ from worker.settings import AgentSettings
 
 class ScriptedClient(ControllerClient):
     def __init__(self) -> None:
-        super().__init__("http://unused.invalid")
+        super().__init__("http://unused.invalid", "enrolment-secret")
         self.calls: list[str] = []
         self.register_failures = 0
         self.heartbeat_failures: list[Exception] = []
@@ -31,7 +31,7 @@ class ScriptedClient(ControllerClient):
         if self.register_failures:
             self.register_failures -= 1
             raise ControllerUnavailableError("down")
-        return NodeRegistered(node_id=7, heartbeat_interval_s=2.0)
+        return NodeRegistered(node_id=7, heartbeat_interval_s=2.0, node_token="rln_seven")
 
     def heartbeat(self, node_id: int, body: Heartbeat) -> HeartbeatReply:
         self.calls.append(f"heartbeat {node_id}")
@@ -59,7 +59,9 @@ class Clock:
 
 
 def _agent(tmp_path: Path) -> tuple[NodeAgent, ScriptedClient, Clock]:
-    settings = AgentSettings(controller_url="http://c:1", name="loop", work_dir=tmp_path)
+    settings = AgentSettings(
+        enrolment_token="t", controller_url="http://c:1", name="loop", work_dir=tmp_path
+    )
     client, clock = ScriptedClient(), Clock()
     return NodeAgent(settings, client, clock=clock), client, clock
 

@@ -81,7 +81,7 @@ class FakeController:
 
     def register(self, body: NodeRegister) -> NodeRegistered:
         assert body.name == NODE
-        return NodeRegistered(node_id=1, heartbeat_interval_s=0.2)
+        return NodeRegistered(node_id=1, heartbeat_interval_s=0.2, node_token="rln_one")
 
     def heartbeat(self, node_id: int, body: Heartbeat) -> HeartbeatReply:
         if node_id != 1:
@@ -182,6 +182,7 @@ def _start_agent(tmp_path: Path, url: str, log_name: str) -> subprocess.Popen[by
                 "PYTHONPATH": str(REPO),
                 "RELAUNCH_AGENT_CONTROLLER_URL": url,
                 "RELAUNCH_AGENT_NAME": NODE,
+                "RELAUNCH_AGENT_ENROLMENT_TOKEN": "enrolment-secret",
                 "RELAUNCH_AGENT_WORK_DIR": str(tmp_path / "agent"),
                 "RELAUNCH_AGENT_REPORT_INTERVAL_S": "0.2",
                 "RELAUNCH_AGENT_STOP_GRACE_S": "2",

@@ -1,0 +1,153 @@
+"""Who is calling: users with API tokens, nodes with their own tokens.
+
+A token is random text shown once, when it is made; the database keeps only
+its sha256. Tokens are 32 random bytes, so a fast hash is enough: there is no
+password to guess. The prefix says what a token is for (``rlu_`` a user,
+``rln_`` a node), so one found in a log or a shell history is recognisable,
+but the prefix grants nothing: a user token is looked up only among user
+tokens and a node token only among nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from datetime import datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import Conflict, NotFound
+from service.models import ApiToken, Node, Role, User
+
+logger = logging.getLogger(__name__)
+
+USER_TOKEN_PREFIX = "rlu_"
+NODE_TOKEN_PREFIX = "rln_"
+FIRST_ADMIN = "admin"
+
+
+def new_token(prefix: str) -> str:
+    return prefix + secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Compare two secrets in time that does not depend on where they differ."""
+    return hmac.compare_digest(token_hash(given), token_hash(expected))
+
+
+def create_user(
+    session: Session,
+    name: str,
+    role: Role,
+    now: datetime,
+    *,
+    max_active_jobs: int | None = None,
+    max_nodes: int | None = None,
+) -> tuple[User, str]:
+    """A new user and its first token. The token's text is returned once and kept nowhere."""
+    if session.scalars(select(User).where(User.name == name)).one_or_none() is not None:
+        raise Conflict(f"user {name!r} already exists; pick another name")
+    user = User(
+        name=name,
+        role=role,
+        max_active_jobs=max_active_jobs,
+        max_nodes=max_nodes,
+        created_at=now,
+    )
+    session.add(user)
+    session.flush()
+    token = create_token(session, user, "initial", now)[1]
+    logger.info("user=%s created name=%s role=%s", user.id, name, role)
+    return user, token
+
+
+def create_token(session: Session, user: User, label: str, now: datetime) -> tuple[ApiToken, str]:
+    token = new_token(USER_TOKEN_PREFIX)
+    row = ApiToken(user_id=user.id, label=label, token_hash=token_hash(token), created_at=now)
+    session.add(row)
+    session.flush()
+    logger.info("user=%s token %s created label=%s", user.id, row.id, label)
+    return row, token
+
+
+def revoke_token(session: Session, token_id: int, now: datetime) -> ApiToken:
+    """Revoke a token; revoking it again changes nothing."""
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        raise NotFound(f"token {token_id} does not exist")
+    if row.revoked_at is None:
+        row.revoked_at = now
+        logger.info("user=%s token %s revoked", row.user_id, token_id)
+    return row
+
+
+def get_user(session: Session, user_id: int) -> User:
+    user = session.get(User, user_id)
+    if user is None:
+        raise NotFound(f"user {user_id} does not exist")
+    return user
+
+
+def list_users(session: Session, limit: int, offset: int) -> tuple[list[User], int]:
+    users = session.scalars(select(User).order_by(User.id).limit(limit).offset(offset)).all()
+    return list(users), session.scalar(select(func.count()).select_from(User)) or 0
+
+
+def user_tokens(session: Session, user_id: int) -> list[ApiToken]:
+    get_user(session, user_id)
+    stmt = select(ApiToken).where(ApiToken.user_id == user_id).order_by(ApiToken.id)
+    return list(session.scalars(stmt))
+
+
+def user_for_token(session: Session, token: str) -> User | None:
+    """The user whose live token this is, or None."""
+    if not token.startswith(USER_TOKEN_PREFIX):
+        return None
+    stmt = (
+        select(User)
+        .join(ApiToken, ApiToken.user_id == User.id)
+        .where(ApiToken.token_hash == token_hash(token), ApiToken.revoked_at.is_(None))
+    )
+    return session.scalars(stmt).one_or_none()
+
+
+def node_for_token(session: Session, token: str) -> Node | None:
+    if not token.startswith(NODE_TOKEN_PREFIX):
+        return None
+    return session.scalars(select(Node).where(Node.token_hash == token_hash(token))).one_or_none()
+
+
+def issue_node_token(session: Session, node: Node) -> str:
+    """A new token for ``node``; the one it held before stops working."""
+    token = new_token(NODE_TOKEN_PREFIX)
+    session.execute(
+        update(Node)
+        .where(Node.id == node.id)
+        .values(token_hash=token_hash(token))
+        .execution_options(synchronize_session=False)
+    )
+    node.token_hash = token_hash(token)
+    return token
+
+
+def bootstrap_admin(factory: sessionmaker[Session], now: datetime) -> str | None:
+    """Make the first admin if there is no user at all; return its token, or None.
+
+    Two controllers starting at once on one database both try; the unique
+    user name lets exactly one succeed.
+    """
+    try:
+        with factory() as session, session.begin():
+            if session.scalar(select(func.count()).select_from(User)):
+                return None
+            return create_user(session, FIRST_ADMIN, Role.ADMIN, now)[1]
+    except (IntegrityError, Conflict):
+        return None
