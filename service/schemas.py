@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal, Self
+from pathlib import PurePosixPath
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -51,7 +52,7 @@ class ScriptSpec(_Strict):
     module: str | None = Field(
         default=None, max_length=256, description="A module to run as `python -m`"
     )
-    args: list[str] = Field(default_factory=list, max_length=256)
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256)
 
     @field_validator("args")
     @classmethod
@@ -71,6 +72,8 @@ class ScriptSpec(_Strict):
             raise ValueError("'path' must be absolute (a script that exists on every node)")
         if self.path is not None and "\x00" in self.path:
             raise ValueError("'path' must not contain NUL characters")
+        if self.path is not None and ".." in PurePosixPath(self.path).parts:
+            raise ValueError("'path' must not contain '..'; give the script's real path")
         if self.module is not None and not _MODULE_NAME.match(self.module):
             raise ValueError(f"'module' is not a dotted Python module name: {self.module!r}")
         return self
@@ -140,7 +143,14 @@ class JobSpec(_Strict):
         "hung: its stack is dumped into the logs and the workers restart. null turns it off",
     )
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)
-    env: dict[str, str] = Field(default_factory=dict, max_length=64)
+    env: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=4096)]] = (
+        Field(
+            default_factory=dict,
+            max_length=64,
+            description="Environment of the job's workers. The values may be secrets: the API "
+            "never sends them back",
+        )
+    )
 
     @field_validator("nnodes", mode="before")
     @classmethod

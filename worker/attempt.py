@@ -33,6 +33,7 @@ import psutil
 
 from worker import procs
 from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
+from worker.paths import inside
 from worker.protocol import (
     ATTEMPT_ID_ENV,
     EVENTS_FILE_ENV,
@@ -215,7 +216,7 @@ class Attempt:
         self.assignment = assignment
         self.attempt_id = assignment.attempt_id
         self._settings = settings
-        self.dir = settings.work_dir / "attempts" / str(assignment.attempt_id)
+        self.dir = inside(settings.work_dir, "attempts", str(assignment.attempt_id))
         self.events_path = self.dir / "events.jsonl"
         self.progress_dir = self.dir / "progress"
         self._logs = LogOutbox()

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from worker.paths import inside, plain_name
+
 logger = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
@@ -113,6 +115,9 @@ class LocalStorage(Storage):
     def path_of(self, name: str) -> str:
         return str(self.root / name)
 
+    def _file(self, name: str) -> Path:
+        return inside(self.root, name)
+
     def write(
         self,
         name: str,
@@ -121,7 +126,7 @@ class LocalStorage(Storage):
         before_rename: Hook | None = None,
     ) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        target = self.root / name
+        target = self._file(name)
         tmp = self.root / (
             f".{name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         )
@@ -142,7 +147,7 @@ class LocalStorage(Storage):
         _fsync_directory(self.root)
 
     def read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        return self._file(name).read_bytes()
 
     def names(self) -> list[str]:
         if not self.root.is_dir():
@@ -151,10 +156,10 @@ class LocalStorage(Storage):
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            (self.root / name).unlink()
+            self._file(name).unlink()
 
     def size(self, name: str) -> int:
-        return (self.root / name).stat().st_size
+        return self._file(name).stat().st_size
 
     def remove_stale_temporaries(self) -> None:
         if not self.root.is_dir():
@@ -192,7 +197,7 @@ class FsspecStorage(Storage):
         self.root = root.rstrip("/")
 
     def _full(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return f"{self.root}/{plain_name(name)}"
 
     def write(
         self,
