@@ -9,6 +9,7 @@ recorded, so the timeline says its processes are gone.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from datetime import datetime, timedelta
 from typing import Any
@@ -71,7 +72,7 @@ def _apply_event(
     ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id, "data": data}
     kind = event.kind
     if kind is EventKind.RENDEZVOUS:
-        world = int(data.get("world_size", 0)) or None
+        world = _int_or(data.get("world_size"), 0) or None
         attempt.world_size = job.world_size = world
         if data.get("group_rank") == 0:
             add_event(
@@ -106,24 +107,24 @@ def _apply_event(
                 job_id=job.id,
                 attempt_id=attempt.id,
                 time=event.time,
-                step=int(data.get("step", 0)),
-                epoch=int(data.get("epoch", 0)),
+                step=_int_or(data.get("step"), 0),
+                epoch=_int_or(data.get("epoch"), 0),
                 loss=_float_or_none(data.get("loss")),
                 samples_per_s=_float_or_none(data.get("samples_per_s")),
-                world_size=int(data.get("world_size", 0)),
+                world_size=_int_or(data.get("world_size"), 0),
             )
         )
-        job.last_step = int(data.get("step", 0))
+        job.last_step = _int_or(data.get("step"), 0)
         job.last_loss = _float_or_none(data.get("loss"))
     elif kind is EventKind.SNAPSHOT:
         session.add(
             Snapshot(
                 job_id=job.id,
                 attempt_id=attempt.id,
-                step=int(data.get("step", 0)),
-                epoch=int(data.get("epoch", 0)),
+                step=_int_or(data.get("step"), 0),
+                epoch=_int_or(data.get("epoch"), 0),
                 path=str(data.get("path", ""))[:4096],
-                bytes=int(data.get("bytes", 0)),
+                bytes=_int_or(data.get("bytes"), 0),
                 sha256=_sha256_or_none(data.get("sha256")),
                 world_size=_int_or_none(data.get("world_size")),
                 created_at=event.time,
@@ -142,7 +143,7 @@ def _apply_event(
         message = f"snapshot at step {data.get('step')} {what}: {str(data.get(field, ''))[:500]}"
         add_event(session, job.id, name, message, event.time, **ids)
     elif kind is EventKind.FINISHED:
-        job.last_step = int(data.get("step", job.last_step or 0))
+        job.last_step = _int_or(data.get("step"), job.last_step or 0)
         add_event(
             session,
             job.id,
@@ -236,7 +237,7 @@ def _apply_started(
     attempt.started_count += 1
     world = data.get("world_size")
     if data.get("total_steps") is not None:
-        job.total_steps = int(data["total_steps"])
+        job.total_steps = _int_or_none(data["total_steps"])
     resumed = data.get("resumed_from_step")
     if resumed is not None:
         message = f"training resumed from snapshot at step {resumed} (world size {world})"
@@ -339,11 +340,18 @@ _SNAPSHOT_TROUBLE = {
 }
 
 
+def _int_or(value: Any, default: int) -> int:
+    number = _int_or_none(value)
+    return default if number is None else number
+
+
 def _int_or_none(value: Any) -> int | None:
+    """A number for a 32-bit column, or None for what is not one (or does not fit)."""
     try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
+        number = None if value is None else int(value)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return number if number is None or -(2**31) <= number < 2**31 else None
 
 
 def _sha256_or_none(value: Any) -> str | None:
@@ -353,10 +361,12 @@ def _sha256_or_none(value: Any) -> str | None:
 
 
 def _float_or_none(value: Any) -> float | None:
+    """A finite number, or None (NaN and infinities are not valid JSON to send back)."""
     try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
+        number = None if value is None else float(value)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return number if number is None or math.isfinite(number) else None
 
 
 def _exit_text(data: dict[str, Any]) -> str:

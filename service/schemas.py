@@ -387,6 +387,12 @@ class Health(BaseModel):
     leader: str | None = Field(description="The controller that holds the lease now, if any")
 
 
+class Problem(BaseModel):
+    """Why a request was refused, in words that say what to fix."""
+
+    detail: str
+
+
 class UserCreate(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     role: Role = Role.USER

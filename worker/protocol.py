@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -73,11 +73,17 @@ class RuntimeEvent(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+# Ids are 64-bit and counts 32-bit in the controller's database: a larger number is
+# refused at the door (422) instead of failing in the database.
+Id = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
 class NodeRegister(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     address: str = Field(min_length=1, max_length=255)
     slots: int = Field(ge=1, le=1024)
-    pid: int = Field(ge=0)
+    pid: int = Field(ge=0, le=2**31 - 1)
 
 
 class NodeRegistered(BaseModel):
@@ -150,13 +156,13 @@ class Assignment(BaseModel):
 
 
 class RunningAttempt(BaseModel):
-    attempt_id: int
-    launcher_pid: int | None = None
-    processes: int = 0
+    attempt_id: Id
+    launcher_pid: Int32 | None = None
+    processes: Int32 = 0
 
 
 class Heartbeat(BaseModel):
-    running: list[RunningAttempt] = Field(default_factory=list)
+    running: list[RunningAttempt] = Field(default_factory=list, max_length=10_000)
 
 
 class HeartbeatReply(BaseModel):
@@ -165,7 +171,7 @@ class HeartbeatReply(BaseModel):
 
 class LogLine(BaseModel):
     time: datetime
-    local_rank: int | None = None
+    local_rank: Int32 | None = None
     stream: Literal["stdout", "stderr"] = "stdout"
     line: str = Field(max_length=8192)
 
@@ -179,14 +185,14 @@ class AttemptExit(BaseModel):
     """
 
     outcome: Literal["succeeded", "failed", "stopped"]
-    exit_code: int | None = None
-    message: str = ""
+    exit_code: Int32 | None = None
+    message: str = Field(default="", max_length=65536)
     clean: bool = True
     fatal: bool = False
 
 
 class AttemptReport(BaseModel):
-    attempt_id: int
+    attempt_id: Id
     logs: list[LogLine] = Field(default_factory=list, max_length=5000)
     events: list[RuntimeEvent] = Field(default_factory=list, max_length=5000)
     exit: AttemptExit | None = None

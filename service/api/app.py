@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
@@ -25,12 +26,21 @@ from service.errors import (
     Unauthenticated,
 )
 from service.reconciler import Reconciler, utcnow
+from service.schemas import Problem
 from service.settings import ControllerSettings
 from service.states import InvalidTransition
 from service.store import StoreSupervisor
 
 logger = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
+# What any API route may answer besides its success, each with a Problem body.
+REFUSALS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "No token, or an unknown or revoked one"},
+    403: {"model": Problem, "description": "The token may not do this"},
+    404: {"model": Problem, "description": "No such thing, or another user's job"},
+    409: {"model": Problem, "description": "The current state does not allow it"},
+    413: {"model": Problem, "description": "The body is over RELAUNCH_MAX_BODY_BYTES"},
+}
 
 
 def create_app(
@@ -78,7 +88,7 @@ def create_app(
     app.state.engine = engine
     app.include_router(health.router)
     for router in (jobs.router, nodes.router, users.router):
-        app.include_router(router, prefix=API_PREFIX)
+        app.include_router(router, prefix=API_PREFIX, responses=REFUSALS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     _map_errors(app)
     return app
@@ -114,8 +124,10 @@ def _map_errors(app: FastAPI) -> None:
 
     @app.exception_handler(IdempotencyMismatch)
     async def mismatch(_: Request, exc: IdempotencyMismatch) -> JSONResponse:
+        # Shaped as a validation error of the header, like every other 422.
+        error = {"loc": ["header", "Idempotency-Key"], "msg": str(exc), "type": "value_error"}
         return JSONResponse(
-            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT, content={"detail": str(exc)}
+            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT, content={"detail": [error]}
         )
 
     @app.exception_handler(Conflict)

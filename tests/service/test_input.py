@@ -163,7 +163,7 @@ def test_the_same_idempotency_key_gives_the_same_job(api: Cluster) -> None:
     respelt = {"task": {"params": {"epochs": 2}, "name": "regression"}, "name": "j", "nnodes": 1}
     assert api.post("/api/v1/jobs", json=respelt, headers=key).json()["id"] == first.json()["id"]
     other = api.post("/api/v1/jobs", json={**SPEC, "name": "k"}, headers=key)
-    assert other.status_code == 422 and "different body" in other.json()["detail"]
+    assert other.status_code == 422 and "different body" in other.json()["detail"][0]["msg"]
     # Keys belong to their user: another user's same key is a new job.
     carol = api.add_user("carol")
     theirs = api.post("/api/v1/jobs", json=SPEC, headers={**key, **bearer(carol)})
