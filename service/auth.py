@@ -79,10 +79,23 @@ def create_token(session: Session, user: User, label: str, now: datetime) -> tup
 
 
 def revoke_token(session: Session, token_id: int, now: datetime) -> ApiToken:
-    """Revoke a token; revoking it again changes nothing."""
+    """Revoke a token; revoking it again changes nothing. The last live token of all
+    admins is kept: without it nobody could make users or tokens again."""
     row = session.get(ApiToken, token_id)
     if row is None:
         raise NotFound(f"token {token_id} does not exist")
+    if row.revoked_at is None and row.user.role is Role.ADMIN:
+        admin_tokens = session.scalars(
+            select(ApiToken.id)
+            .join(User, User.id == ApiToken.user_id)
+            .where(User.role == Role.ADMIN, ApiToken.revoked_at.is_(None))
+            .with_for_update()
+        ).all()
+        if list(admin_tokens) == [token_id]:
+            raise Conflict(
+                f"token {token_id} is the last live admin token; make another first "
+                "(relaunch users token ID)"
+            )
     if row.revoked_at is None:
         row.revoked_at = now
         logger.info("user=%s token %s revoked", row.user_id, token_id)

@@ -305,3 +305,20 @@ def test_roles_are_what_the_table_allows(api: Cluster) -> None:
     assert {r.value for r in Role} == {"admin", "user"}
     r = api.post("/api/v1/users", json={"name": "mallory", "role": "superuser"})
     assert r.status_code == 422
+
+
+def test_the_last_live_admin_token_cannot_be_revoked(api: Cluster) -> None:
+    admins = [u for u in api.get("/api/v1/users").json()["items"] if u["role"] == "admin"]
+    live = [
+        t["id"]
+        for u in admins
+        for t in api.get(f"/api/v1/users/{u['id']}/tokens").json()["items"]
+        if t["revoked_at"] is None
+    ]
+    assert len(live) == 2  # the first start's admin and the fixture's
+    *others, mine = sorted(live)  # the fixture's admin (made last) calls
+    for token_id in others:
+        assert api.post(f"/api/v1/tokens/{token_id}/revoke").status_code == 200
+    last = api.post(f"/api/v1/tokens/{mine}/revoke")
+    assert last.status_code == 409 and "last live admin token" in last.json()["detail"]
+    assert api.get("/api/v1/users/me").status_code == 200

@@ -66,6 +66,17 @@ def test_torchrun_args_for_a_module() -> None:
     ]  # fmt: skip
 
 
+def test_a_jobs_env_reaches_workers_by_environment_never_the_command_line(
+    tmp_path: Path,
+) -> None:
+    job = _assignment(env={"HF_TOKEN": "hf_s3cret"})
+    args = build_torchrun_args(job, local_addr="10.0.0.7", log_dir=Path("/w/logs"))
+    assert not any("hf_s3cret" in a for a in args)
+    settings = AgentSettings(enrolment_token="t", controller_url="http://c:1", work_dir=tmp_path)
+    env = build_launcher_env(job, settings=settings, events_file=tmp_path / "e", base_env={})
+    assert env["HF_TOKEN"] == "hf_s3cret"
+
+
 def test_torchrun_args_accepted_by_torchrun_parser() -> None:
     from torch.distributed.run import parse_args
 
