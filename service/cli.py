@@ -64,7 +64,9 @@ def _explain_settings(cls: type[BaseSettings], exc: ValidationError) -> str:
         field = cls.model_fields.get(name)
         alias = field.validation_alias if field else None
         env = alias.choices[0] if isinstance(alias, AliasChoices) else f"{prefix}{name}".upper()
-        lines.append(f"  {env}={error.get('input')!r}: {message}")
+        secret = field is not None and "SecretStr" in str(field.annotation)
+        shown = "<hidden>" if secret else repr(error.get("input"))
+        lines.append(f"  {env}={shown}: {message}")
     return "\n".join(lines)
 
 

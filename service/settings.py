@@ -7,7 +7,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.runtime.storage import is_url
@@ -80,7 +80,6 @@ class ControllerSettings(BaseSettings):
 
     enrolment_token: SecretStr | None = Field(
         default=None,
-        min_length=24,
         description="The secret a node agent shows to register; each registered node then "
         "gets a token of its own. Unset: no node can register",
     )
@@ -108,6 +107,13 @@ class ControllerSettings(BaseSettings):
     rdzv_join_timeout_s: int = Field(default=600, ge=1, le=86400)
     rdzv_keep_alive_interval_s: int = Field(default=2, ge=1, le=60)
     rdzv_keep_alive_max_attempt: int = Field(default=3, ge=1, le=100)
+
+    @field_validator("enrolment_token")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 24:
+            raise ValueError("must be at least 24 characters; make one with secrets.token_urlsafe")
+        return value
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> ControllerSettings:

@@ -35,6 +35,16 @@ README = Path(__file__).resolve().parents[2] / "README.md"
             "RELAUNCH_AGENT_SLOTS='0': Input should be greater than or equal to 1",
         ),
         (
+            ["server"],
+            {"RELAUNCH_ENROLMENT_TOKEN": "too-short-secret"},
+            "RELAUNCH_ENROLMENT_TOKEN=<hidden>: must be at least 24 characters",
+        ),
+        (
+            ["agent", "--controller", "http://127.0.0.1:1"],
+            {},
+            "RELAUNCH_AGENT_ENROLMENT_TOKEN",
+        ),
+        (
             ["agent"],
             {"RELAUNCH_AGENT_CONTROLLER_URL": "controller:8080"},
             "RELAUNCH_AGENT_CONTROLLER_URL='controller:8080': controller_url must be an http",
@@ -49,6 +59,13 @@ def test_a_bad_setting_names_its_variable_and_what_it_must_be(
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
+    assert "too-short-secret" not in result.output  # a secret is never echoed
+
+
+def test_everything_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> None:
+    settings = ControllerSettings(data_dir=tmp_path)
+    assert settings.host == settings.store_host == "127.0.0.1"
+    assert settings.enrolment_token is None  # and no node can register until one is set
 
 
 def _env_names(cls: type[ControllerSettings] | type[AgentSettings]) -> set[str]:
