@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -96,6 +98,16 @@ def _client(url: str) -> RelaunchClient:
             "`relaunch users add` or `relaunch users token`)"
         )
     return RelaunchClient(url, token)
+
+
+@contextmanager
+def _api(url: str) -> Iterator[RelaunchClient]:
+    """A client as in ``_client``; an error answer ends the command with its message."""
+    with _client(url) as client:
+        try:
+            yield client
+        except ApiError as exc:
+            raise _fail(str(exc)) from exc
 
 
 @app.command()
@@ -291,11 +303,8 @@ def jobs(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """List jobs, newest first."""
-    with _client(url) as client:
-        try:
-            page = client.jobs(state=state, limit=limit)
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        page = client.jobs(state=state, limit=limit)
     table = Table("id", "name", "state", "nodes", "world", "step", "loss", "restarts")
     for job in page["items"]:
         table.add_row(
@@ -325,12 +334,9 @@ def status(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Show one job: state, progress, attempts and timeline."""
-    with _client(url) as client:
-        try:
-            job = client.job(job_id)
-            events = client.events(job_id)
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        job = client.job(job_id)
+        events = client.events(job_id)
     console.print(
         f"job [bold]{job['id']}[/] {job['name']}: {_state_text(job['state'])}  "
         f"step {job['last_step'] or 0}/{job['total_steps'] or '?'}  "
@@ -353,12 +359,9 @@ def logs(
 ) -> None:
     """Print a job's log lines (node, local rank, line); --follow keeps polling."""
     after = 0
-    with _client(url) as client:
+    with _api(url) as client:
         while True:
-            try:
-                lines = client.logs(job_id, after_id=after)
-            except ApiError as exc:
-                raise _fail(str(exc)) from exc
+            lines = client.logs(job_id, after_id=after)
             for line in lines:
                 rank = "-" if line["local_rank"] is None else line["local_rank"]
                 typer.echo(f"[node {line['node_id']} rank {rank}] {line['line']}")
@@ -377,11 +380,8 @@ def cancel(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Cancel a job (cancelling an ended job changes nothing)."""
-    with _client(url) as client:
-        try:
-            job = client.cancel(job_id)
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        job = client.cancel(job_id)
     console.print(f"job {job['id']}: {_state_text(job['state'])}")
 
 
@@ -404,13 +404,8 @@ def users_add(
 ) -> None:
     """Add a user and print their first API token."""
     role = "admin" if admin else "user"
-    with _client(url) as client:
-        try:
-            made = client.create_user(
-                name, role, max_active_jobs=max_active_jobs, max_nodes=max_nodes
-            )
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        made = client.create_user(name, role, max_active_jobs=max_active_jobs, max_nodes=max_nodes)
     console.print(f"user [bold]{made['user']['id']}[/] {name} ({role})")
     _print_secret(made["token"]["secret"])
 
@@ -418,11 +413,8 @@ def users_add(
 @users_app.command("list")
 def users_list(url: UrlOption = DEFAULT_URL) -> None:
     """List users."""
-    with _client(url) as client:
-        try:
-            page = client.users()
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        page = client.users()
     table = Table("id", "name", "role", "max jobs", "max nodes", "created")
     for user in page["items"]:
         table.add_row(
@@ -443,11 +435,8 @@ def users_token(
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Make another API token for a user and print it."""
-    with _client(url) as client:
-        try:
-            made = client.create_token(user_id, label)
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        made = client.create_token(user_id, label)
     console.print(f"token [bold]{made['token']['id']}[/] for user {user_id}")
     _print_secret(made["secret"])
 
@@ -455,11 +444,8 @@ def users_token(
 @users_app.command("tokens")
 def users_tokens(user_id: Annotated[int, typer.Argument()], url: UrlOption = DEFAULT_URL) -> None:
     """List a user's tokens (never their text)."""
-    with _client(url) as client:
-        try:
-            rows = client.tokens(user_id)
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        rows = client.tokens(user_id)
     table = Table("id", "label", "created", "revoked")
     for row in rows:
         table.add_row(
@@ -471,22 +457,16 @@ def users_tokens(user_id: Annotated[int, typer.Argument()], url: UrlOption = DEF
 @users_app.command("revoke")
 def users_revoke(token_id: Annotated[int, typer.Argument()], url: UrlOption = DEFAULT_URL) -> None:
     """Revoke an API token: it stops working at once."""
-    with _client(url) as client:
-        try:
-            client.revoke_token(token_id)
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        client.revoke_token(token_id)
     console.print(f"token {token_id} revoked")
 
 
 @app.command()
 def whoami(url: UrlOption = DEFAULT_URL) -> None:
     """Show the user RELAUNCH_TOKEN belongs to."""
-    with _client(url) as client:
-        try:
-            user = client.me()
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    with _api(url) as client:
+        user = client.me()
     console.print(f"{user['name']} ({user['role']}), user {user['id']}")
 
 
