@@ -16,6 +16,7 @@ import yaml
 from pydantic import AliasChoices, ValidationError
 from pydantic_settings import BaseSettings
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from service.client import ApiError, RelaunchClient
@@ -84,7 +85,7 @@ def _load_settings(cls: type[S], what: str, **overrides: Any) -> S:
 
 
 def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {escape(message)}")
     return typer.Exit(code=2)
 
 
@@ -324,7 +325,8 @@ def jobs(
 def print_timeline(events: list[dict[str, Any]]) -> None:
     table = Table("time", "event", "what happened", title="timeline")
     for event in events:
-        table.add_row(event["time"][11:23], event["kind"], event["message"])
+        # Messages quote workers' errors, which may hold "[...]"; print them as text.
+        table.add_row(event["time"][11:23], event["kind"], escape(event["message"]))
     console.print(table)
 
 
@@ -344,7 +346,7 @@ def status(
         f"/{job['spec']['max_restarts']}  membership changes {job['membership_changes']}"
     )
     if job["message"]:
-        console.print(f"message: {job['message']}")
+        console.print(f"message: {escape(job['message'])}")
     for attempt in job["attempts"]:
         nodes = ", ".join(f"{m['node_name']}({m['state'].lower()})" for m in attempt["members"])
         console.print(f"  attempt {attempt['number']} {attempt['state']}: {nodes}")

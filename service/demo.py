@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from service.client import ApiError, RelaunchClient
@@ -245,7 +246,7 @@ def run_demo(console: Console, port: int = 8080, keep_running: bool | None = Non
             cluster.wait_nodes(2)
         return _drive(console, cluster, keep_running)
     except (RuntimeError, ApiError) as exc:
-        console.print(f"[bold red]demo failed:[/] {exc}")
+        console.print(f"[bold red]demo failed:[/] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:
         return 130
