@@ -49,7 +49,8 @@ FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1
 IdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
-Offset = Annotated[int, Query(ge=0, le=10**9)]
+Offset = Annotated[int, Query(ge=0, le=10**9, description="Skip this many items")]
+PageLimit = Annotated[int, Query(ge=1, le=1000, description="At most this many items")]
 
 _bearer = HTTPBearer(
     auto_error=False,

@@ -14,6 +14,7 @@ from service.api.deps import (
     IdPath,
     NowDep,
     Offset,
+    PageLimit,
     SessionDep,
     SettingsDep,
     UserDep,
@@ -42,7 +43,6 @@ from service.states import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
-Limit = Annotated[int, Query(ge=1, le=1000, description="At most this many items")]
 AfterId = Annotated[
     int, Query(ge=0, le=MAX_ID, description="Only items with a larger id (for polling)")
 ]
@@ -175,7 +175,11 @@ def cancel(job_id: IdPath, user: UserDep, factory: FactoryDep, now: NowDep) -> J
 
 @router.get("/{job_id}/events", response_model=EventsPublic)
 def events(
-    job_id: IdPath, session: SessionDep, user: UserDep, after_id: AfterId = 0, limit: Limit = 500
+    job_id: IdPath,
+    session: SessionDep,
+    user: UserDep,
+    after_id: AfterId = 0,
+    limit: PageLimit = 500,
 ) -> EventsPublic:
     rows = jobs.job_events(session, job_id, user, after_id, limit)
     return EventsPublic(items=[EventPublic.model_validate(r) for r in rows])
@@ -183,7 +187,11 @@ def events(
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
 def metrics(
-    job_id: IdPath, session: SessionDep, user: UserDep, after_id: AfterId = 0, limit: Limit = 1000
+    job_id: IdPath,
+    session: SessionDep,
+    user: UserDep,
+    after_id: AfterId = 0,
+    limit: PageLimit = 1000,
 ) -> MetricsPublic:
     rows = jobs.job_metrics(session, job_id, user, after_id, limit)
     return MetricsPublic(items=[MetricPublic.model_validate(r) for r in rows])
@@ -195,7 +203,7 @@ def logs(
     session: SessionDep,
     user: UserDep,
     after_id: AfterId = 0,
-    limit: Limit = 1000,
+    limit: PageLimit = 1000,
     local_rank: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
     node_id: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
 ) -> LogsPublic:
@@ -208,7 +216,7 @@ def snapshots(
     job_id: IdPath,
     session: SessionDep,
     user: UserDep,
-    limit: Limit = 1000,
+    limit: PageLimit = 1000,
     offset: Offset = 0,
 ) -> SnapshotsPublic:
     rows = jobs.job_snapshots(session, job_id, user, limit, offset)

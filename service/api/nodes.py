@@ -7,9 +7,7 @@ only as itself.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
 from service import auth, nodes, reports
 from service.api.deps import (
@@ -18,6 +16,7 @@ from service.api.deps import (
     NodeDep,
     NowDep,
     Offset,
+    PageLimit,
     SessionDep,
     SettingsDep,
     UserDep,
@@ -79,7 +78,7 @@ def leave(node: NodeDep, body: NodeLeave, session: SessionDep, now: NowDep) -> N
 def list_nodes(
     session: SessionDep,
     user: UserDep,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    limit: PageLimit = 200,
     offset: Offset = 0,
 ) -> NodesPublic:
     """Every node; the job a node serves is shown only to that job's owner and to admins."""

@@ -3,12 +3,10 @@ every user may ask who they are."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, status
 
 from service import auth
-from service.api.deps import AdminDep, IdPath, NowDep, Offset, SessionDep, UserDep
+from service.api.deps import AdminDep, IdPath, NowDep, Offset, PageLimit, SessionDep, UserDep
 from service.models import ApiToken, User
 from service.schemas import (
     TokenCreate,
@@ -51,7 +49,7 @@ def create_user(body: UserCreate, _: AdminDep, session: SessionDep, now: NowDep)
 def list_users(
     _: AdminDep,
     session: SessionDep,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    limit: PageLimit = 200,
     offset: Offset = 0,
 ) -> UsersPublic:
     users, total = auth.list_users(session, limit, offset)
