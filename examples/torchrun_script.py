@@ -53,6 +53,9 @@ def main() -> None:
         with open(args.out, "w") as handle:
             json.dump(result, handle)
     print(f"done rank={rank} world={world} local_rank={local_rank} loss={mean_loss.item():.4f}")
+    # Every rank reaches the teardown together: a rank that destroys its group while a
+    # peer still uses the connection can make gloo abort the peer at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
