@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from service import auth
 from service.api import health, jobs, nodes, users
+from service.api.conditional import ConditionalGet
 from service.api.limits import BodyLimit
 from service.db import make_engine, make_session_factory, upgrade_to_head, wait_for_database
 from service.errors import (
@@ -90,6 +91,7 @@ def create_app(
     for router in (jobs.router, nodes.router, users.router):
         app.include_router(router, prefix=API_PREFIX, responses=REFUSALS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ConditionalGet, prefix=API_PREFIX)
     _map_errors(app)
     return app
 
