@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint postgres bench bench-snapshots clean
+.PHONY: install demo test lint postgres browser bench bench-snapshots bench-status clean
 
 install: $(VENV)/.installed
 
@@ -23,12 +23,17 @@ postgres:
 	@for i in $$(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && exit 0; sleep 1; done; \
 	  echo "PostgreSQL is not answering on 127.0.0.1:5432" >&2; exit 1
 
+# Debian's Chromium for the dashboard tests; Playwright drives it and downloads no browser.
+browser:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+	@command -v chromium >/dev/null || { echo "chromium is not installed" >&2; exit 1; }
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: install postgres lint
+test: install postgres browser lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench: install

@@ -293,6 +293,18 @@ def job_logs(
     return _page_after(session, LogEntry, job_id, viewer, after_id, limit, *filters)
 
 
+def last_snapshot_times(session: Session, job_ids: list[int]) -> dict[int, datetime]:
+    """When each of these jobs last committed a snapshot (jobs with none are left out)."""
+    if not job_ids:
+        return {}
+    stmt = (
+        select(Snapshot.job_id, func.max(Snapshot.created_at))
+        .where(Snapshot.job_id.in_(job_ids))
+        .group_by(Snapshot.job_id)
+    )
+    return {job_id: when for job_id, when in session.execute(stmt).all()}
+
+
 def job_snapshots(
     session: Session, job_id: int, viewer: User, limit: int, offset: int
 ) -> list[Snapshot]:

@@ -282,6 +282,9 @@ class JobPublic(BaseModel):
     total_steps: int | None
     last_loss: float | None
     message: str
+    last_snapshot_at: datetime | None = Field(
+        default=None, description="When rank 0 last committed a snapshot"
+    )
 
 
 class JobDetail(JobPublic):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, status
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 
 from service import auth
 from service.api import health, jobs, nodes, users
@@ -34,6 +35,9 @@ from service.store import StoreSupervisor
 
 logger = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
+# The web dashboard: static files that call the API with the user's token. They hold no
+# data of their own, so they are served without a credential; every answer they show needs one.
+DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "dashboard"
 # What any API route may answer besides its success, each with a Problem body.
 REFUSALS: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "No token, or an unknown or revoked one"},
@@ -92,6 +96,12 @@ def create_app(
         app.include_router(router, prefix=API_PREFIX, responses=REFUSALS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ConditionalGet, prefix=API_PREFIX)
+    app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
+
+    @app.get("/", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
     _map_errors(app)
     return app
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
@@ -48,7 +49,7 @@ AfterId = Annotated[
 ]
 
 
-def job_public(job: Job) -> JobPublic:
+def job_public(job: Job, last_snapshot_at: datetime | None = None) -> JobPublic:
     spec = JobSpec.model_validate(job.spec)
     spec.env = dict.fromkeys(spec.env, REDACTED)
     return JobPublic(
@@ -72,6 +73,7 @@ def job_public(job: Job) -> JobPublic:
         total_steps=job.total_steps,
         last_loss=job.last_loss,
         message=job.message,
+        last_snapshot_at=last_snapshot_at,
     )
 
 
@@ -158,14 +160,21 @@ def list_jobs(
     offset: Offset = 0,
 ) -> JobsPublic:
     items, total = jobs.list_jobs(session, user, state, limit, offset)
-    return JobsPublic(items=[job_public(j) for j in items], total=total, limit=limit, offset=offset)
+    saved = jobs.last_snapshot_times(session, [j.id for j in items])
+    return JobsPublic(
+        items=[job_public(j, saved.get(j.id)) for j in items],
+        total=total,
+        limit=limit,
+        offset=offset,
+    )
 
 
 @router.get("/{job_id}", response_model=JobDetail)
 def get_job(job_id: IdPath, session: SessionDep, user: UserDep) -> JobDetail:
     job = jobs.job_for(session, job_id, user)
     attempts = [attempt_public(a) for a in job.attempts]
-    return JobDetail(**job_public(job).model_dump(), attempts=attempts)
+    saved = jobs.last_snapshot_times(session, [job.id]).get(job.id)
+    return JobDetail(**job_public(job, saved).model_dump(), attempts=attempts)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

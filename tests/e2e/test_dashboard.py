@@ -1,0 +1,176 @@
+"""The web dashboard in headless Chromium (Debian's package, driven by Playwright) against a
+real controller with real agents and a real job: sign-in, the job list, progress, a worker
+kill on the timeline and the curve, cancel from the button, a killed node shown as lost,
+and a controller restart shown as "reconnecting" and then caught up.
+
+Each page's screenshot is kept in ``test-artifacts/dashboard/``.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from service.client import RelaunchClient
+from service.demo import LocalCluster
+from tests.conftest import wait_for
+from tests.e2e.conftest import POLL_S, regression, running_cluster
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = "/usr/bin/chromium"
+# As root in a sandbox, with no network beyond this machine: no sandbox, no GPU, and
+# none of Chromium's own background connections.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+UI_TIMEOUT_MS = 60_000
+expect.set_options(timeout=UI_TIMEOUT_MS)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    env = {"RELAUNCH_NODE_TIMEOUT_S": "3"}
+    data = tmp_path_factory.mktemp("dashboard")
+    with running_cluster(data, ("node-a", "node-b"), controller_env=env) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser: Browser, cluster: LocalCluster) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    page.goto(f"{cluster.url}/")
+    yield page
+    context.close()
+
+
+def sign_in(page: Page, token: str) -> None:
+    page.fill("#token", token)
+    page.click("#login button[type=submit]")
+    expect(page.locator("#who")).to_contain_text("(admin)")
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def step_shown(page: Page, job_id: int) -> int:
+    text = page.locator(f'tr[data-job="{job_id}"] [data-testid=progress]').inner_text()
+    return int(text.split("/")[0])
+
+
+def test_nothing_shows_without_a_token_and_a_bad_token_is_refused(
+    page: Page, cluster: LocalCluster
+) -> None:
+    expect(page.locator("#login")).to_be_visible()
+    assert page.locator("[data-testid=jobs]").count() == 0
+    page.fill("#token", "rlu_not-a-token")
+    page.click("#login button[type=submit]")
+    expect(page.locator("#login-error")).to_contain_text("refused")
+    assert page.locator("[data-testid=jobs]").count() == 0
+
+
+def test_a_job_is_watched_killed_restarted_and_cancelled_from_the_page(
+    page: Page, cluster: LocalCluster
+) -> None:
+    assert cluster.admin_token is not None
+    sign_in(page, cluster.admin_token)
+    with cluster.client() as client:
+        spec = regression("watched", "2:2", params={"epochs": 8, "step_delay": 0.15})
+        job_id = client.submit(spec)["id"]
+
+        row = page.locator(f'tr[data-job="{job_id}"]')
+        expect(row).to_be_visible()
+        expect(row.locator("[data-testid=state]")).to_have_text("RUNNING")
+        wait_for("progress on the page", lambda: step_shown(page, job_id) > 0, 60, POLL_S)
+        first = step_shown(page, job_id)
+        wait_for("progress to move", lambda: step_shown(page, job_id) > first, 60, POLL_S)
+        shot(page, "jobs")
+
+        row.locator("a").first.click()
+        expect(page.locator("[data-testid=loss-line]")).to_be_visible()
+        kill_one_worker(cluster, client, job_id)
+        timeline = page.locator("[data-testid=timeline]")
+        # The killed worker, and maybe its peer that lost it: one restart either way.
+        expect(timeline.locator('tr[data-kind="worker_failed"]').first).to_be_visible()
+        expect(timeline.locator('tr[data-kind="restarting"]')).to_have_count(1)
+        expect(page.locator("[data-testid=restart-marker]")).to_have_count(1)
+        wait_for("training after the restart", lambda: client.job(job_id)["state"] == "RUNNING", 60)
+        expect(timeline.locator('tr[data-kind="resumed"]')).to_have_count(1)
+        expect(page.locator("[data-testid=log-tail]").first).not_to_be_empty()
+        expect(page.locator("[data-testid=spec]")).to_contain_text('"max_restarts": 3')
+        shot(page, "job")
+
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("[data-testid=cancel]")
+        expect(page.locator("h2 [data-testid=state]")).to_have_text("CANCELLED")
+        assert client.job(job_id)["state"] == "CANCELLED"
+        expect(page.locator("[data-testid=cancel]")).to_have_count(0)
+        # The finished job's page keeps polling, and unchanged answers come back as 304s.
+        wait_for(
+            "conditional polls",
+            lambda: page.evaluate("window.relaunchStats().notModified") > 3,
+            30,
+            POLL_S,
+        )
+
+
+def kill_one_worker(cluster: LocalCluster, client: RelaunchClient, job_id: int) -> None:
+    workers = wait_for("the job's workers", lambda: cluster.job_workers(job_id), 60, POLL_S)
+    workers[-1].send_signal(signal.SIGKILL)
+
+
+def test_a_killed_node_shows_as_lost(page: Page, cluster: LocalCluster) -> None:
+    assert cluster.admin_token is not None
+    sign_in(page, cluster.admin_token)
+    cluster.start_agent("node-doomed")
+    cluster.wait_nodes(3)
+    page.click("[data-nav=nodes]")
+    doomed = page.locator('tr[data-node="node-doomed"] [data-testid=state]')
+    expect(doomed).to_have_text("ALIVE")
+    cluster.kill_node("node-doomed")
+    expect(doomed).to_have_text("LOST")
+    expect(page.locator('tr[data-node="node-a"] [data-testid=state]')).to_have_text("ALIVE")
+    shot(page, "nodes")
+
+
+def test_a_controller_restart_shows_reconnecting_then_catches_up(
+    page: Page, cluster: LocalCluster
+) -> None:
+    assert cluster.admin_token is not None
+    sign_in(page, cluster.admin_token)
+    connection = page.locator("[data-testid=connection]")
+    expect(connection).to_contain_text("updated")
+    cluster.stop("controller")
+    expect(connection).to_have_text("reconnecting…")
+    expect(page.locator("#view")).to_have_class(re.compile(r"\bstale\b"))
+    shot(page, "reconnecting")
+    cluster.start_controller()
+    with cluster.client() as client:
+        job_id = client.submit(regression("after-restart", "1", params={"epochs": 1}))["id"]
+    expect(connection).to_contain_text("updated")
+    expect(page.locator(f'tr[data-job="{job_id}"]')).to_be_visible()
+    expect(page.locator("#view")).not_to_have_class(re.compile(r"\bstale\b"))
