@@ -55,6 +55,29 @@ def serialize_sqlite(engine: Engine) -> None:
     event.listen(engine, "begin", _sqlite_begin)
 
 
+def _sqlite_begin_read(conn: Any) -> None:
+    conn.exec_driver_sql("BEGIN")
+
+
+def make_read_engine(url: str, engine: Engine) -> Engine:
+    """An engine for transactions that only read.
+
+    On SQLite they begin as plain (deferred) transactions: in WAL mode they read
+    a consistent snapshot while one writer writes, instead of queueing behind
+    every writer for the write lock. On other databases reads and writes
+    already run side by side, so this is ``engine`` itself.
+    """
+    url = normalize_url(url)
+    if make_url(url).get_backend_name() != "sqlite":
+        return engine
+    read = create_engine(
+        url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    )
+    event.listen(read, "connect", _sqlite_pragmas)
+    event.listen(read, "begin", _sqlite_begin_read)
+    return read
+
+
 def normalize_url(url: str) -> str:
     """Let ``postgresql://`` mean the psycopg 3 driver that relaunch installs."""
     parsed = make_url(url)

@@ -18,7 +18,13 @@ from service import auth
 from service.api import health, jobs, nodes, users
 from service.api.conditional import ConditionalGet
 from service.api.limits import BodyLimit
-from service.db import make_engine, make_session_factory, upgrade_to_head, wait_for_database
+from service.db import (
+    make_engine,
+    make_read_engine,
+    make_session_factory,
+    upgrade_to_head,
+    wait_for_database,
+)
 from service.errors import (
     Conflict,
     Forbidden,
@@ -58,6 +64,8 @@ def create_app(
     store and runs the reconciler; tests of the API alone turn that off."""
     engine = make_engine(settings.db_url)
     factory = make_session_factory(engine)
+    read_engine = make_read_engine(settings.db_url, engine)
+    read_factory = make_session_factory(read_engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,6 +88,7 @@ def create_app(
             reconciler.stop()
             store.stop()
             engine.dispose()
+            read_engine.dispose()
 
     app = FastAPI(
         title="relaunch",
@@ -89,6 +98,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.session_factory = factory
+    app.state.read_session_factory = read_factory
     app.state.clock = clock
     app.state.engine = engine
     app.include_router(health.router)

@@ -24,6 +24,18 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
+def get_read_session(request: Request) -> Iterator[Session]:
+    """A transaction that only reads: on SQLite it does not wait for the write lock."""
+    factory: sessionmaker[Session] = request.app.state.read_session_factory
+    with factory() as session, session.begin():
+        yield session
+
+
+def get_read_factory(request: Request) -> sessionmaker[Session]:
+    factory: sessionmaker[Session] = request.app.state.read_session_factory
+    return factory
+
+
 def get_settings(request: Request) -> ControllerSettings:
     settings: ControllerSettings = request.app.state.settings
     return settings
@@ -45,6 +57,8 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[ControllerSettings, Depends(get_settings)]
 NowDep = Annotated[datetime, Depends(get_now)]
 FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
+ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
+ReadFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_factory)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1
@@ -71,7 +85,7 @@ def _token(credentials: HTTPAuthorizationCredentials | None) -> str:
 # behind one the credential check still holds (SQLite runs one at a time).
 
 
-def get_user(factory: FactoryDep, credentials: BearerDep) -> User:
+def get_user(factory: ReadFactoryDep, credentials: BearerDep) -> User:
     token = _token(credentials)
     with transaction(factory) as session:
         user = auth.user_for_token(session, token)
@@ -88,7 +102,7 @@ def get_admin(user: Annotated[User, Depends(get_user)]) -> User:
     return user
 
 
-def get_node(node_id: IdPath, factory: FactoryDep, credentials: BearerDep) -> Node:
+def get_node(node_id: IdPath, factory: ReadFactoryDep, credentials: BearerDep) -> Node:
     """The node whose token the call carries; it must be the node the path names."""
     token = _token(credentials)
     with transaction(factory) as session:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from service.api.deps import NowDep, SessionDep, SettingsDep
+from service.api.deps import NowDep, ReadSessionDep, SettingsDep
 from service.leader import current
 from service.schemas import Health
 
@@ -13,7 +13,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=Health)
-def healthz(session: SessionDep, settings: SettingsDep, now: NowDep) -> Health:
+def healthz(session: ReadSessionDep, settings: SettingsDep, now: NowDep) -> Health:
     """200 while the database answers, on the leader and on a standby alike."""
     session.execute(text("SELECT 1"))
     leader = current(session, now)

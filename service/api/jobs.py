@@ -16,7 +16,7 @@ from service.api.deps import (
     NowDep,
     Offset,
     PageLimit,
-    SessionDep,
+    ReadSessionDep,
     SettingsDep,
     UserDep,
 )
@@ -153,7 +153,7 @@ def submit(
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
-    session: SessionDep,
+    session: ReadSessionDep,
     user: UserDep,
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
@@ -170,7 +170,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobDetail)
-def get_job(job_id: IdPath, session: SessionDep, user: UserDep) -> JobDetail:
+def get_job(job_id: IdPath, session: ReadSessionDep, user: UserDep) -> JobDetail:
     job = jobs.job_for(session, job_id, user)
     attempts = [attempt_public(a) for a in job.attempts]
     saved = jobs.last_snapshot_times(session, [job.id]).get(job.id)
@@ -185,7 +185,7 @@ def cancel(job_id: IdPath, user: UserDep, factory: FactoryDep, now: NowDep) -> J
 @router.get("/{job_id}/events", response_model=EventsPublic)
 def events(
     job_id: IdPath,
-    session: SessionDep,
+    session: ReadSessionDep,
     user: UserDep,
     after_id: AfterId = 0,
     limit: PageLimit = 500,
@@ -197,7 +197,7 @@ def events(
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
 def metrics(
     job_id: IdPath,
-    session: SessionDep,
+    session: ReadSessionDep,
     user: UserDep,
     after_id: AfterId = 0,
     limit: PageLimit = 1000,
@@ -209,7 +209,7 @@ def metrics(
 @router.get("/{job_id}/logs", response_model=LogsPublic)
 def logs(
     job_id: IdPath,
-    session: SessionDep,
+    session: ReadSessionDep,
     user: UserDep,
     after_id: AfterId = 0,
     limit: PageLimit = 1000,
@@ -223,7 +223,7 @@ def logs(
 @router.get("/{job_id}/snapshots", response_model=SnapshotsPublic)
 def snapshots(
     job_id: IdPath,
-    session: SessionDep,
+    session: ReadSessionDep,
     user: UserDep,
     limit: PageLimit = 1000,
     offset: Offset = 0,

@@ -17,6 +17,7 @@ from service.api.deps import (
     NowDep,
     Offset,
     PageLimit,
+    ReadSessionDep,
     SessionDep,
     SettingsDep,
     UserDep,
@@ -76,7 +77,7 @@ def leave(node: NodeDep, body: NodeLeave, session: SessionDep, now: NowDep) -> N
 
 @router.get("", response_model=NodesPublic)
 def list_nodes(
-    session: SessionDep,
+    session: ReadSessionDep,
     user: UserDep,
     limit: PageLimit = 200,
     offset: Offset = 0,

@@ -6,7 +6,16 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from service import auth
-from service.api.deps import AdminDep, IdPath, NowDep, Offset, PageLimit, SessionDep, UserDep
+from service.api.deps import (
+    AdminDep,
+    IdPath,
+    NowDep,
+    Offset,
+    PageLimit,
+    ReadSessionDep,
+    SessionDep,
+    UserDep,
+)
 from service.models import ApiToken, User
 from service.schemas import (
     TokenCreate,
@@ -48,7 +57,7 @@ def create_user(body: UserCreate, _: AdminDep, session: SessionDep, now: NowDep)
 @router.get("/users", response_model=UsersPublic)
 def list_users(
     _: AdminDep,
-    session: SessionDep,
+    session: ReadSessionDep,
     limit: PageLimit = 200,
     offset: Offset = 0,
 ) -> UsersPublic:
@@ -58,7 +67,7 @@ def list_users(
 
 
 @router.get("/users/{user_id}/tokens", response_model=TokensPublic)
-def list_tokens(user_id: IdPath, _: AdminDep, session: SessionDep) -> TokensPublic:
+def list_tokens(user_id: IdPath, _: AdminDep, session: ReadSessionDep) -> TokensPublic:
     rows = auth.user_tokens(session, user_id)
     return TokensPublic(items=[TokenPublic.model_validate(r) for r in rows])
 
