@@ -42,5 +42,8 @@ bench: install
 bench-snapshots: install
 	$(PY) -m bench.snapshots
 
+bench-status: install
+	$(PY) -m bench.status_load
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
