@@ -227,6 +227,7 @@ def add_event(
     node_id: int | None = None,
     data: dict[str, Any] | None = None,
 ) -> None:
+    message = message.replace("\x00", "\ufffd")  # quotes what nodes sent; text holds no NUL
     session.add(
         JobEvent(
             job_id=job_id,

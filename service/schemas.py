@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.models import Role
 from service.states import AttemptState, JobState, MemberState, NodeState
-from worker.protocol import RestartPolicy
+from worker.protocol import PlainText, RestartPolicy
 from worker.tasks.registry import TASKS, task_args
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -424,7 +424,7 @@ class UsersPublic(BaseModel):
 
 
 class TokenCreate(_Strict):
-    label: str = Field(
+    label: PlainText = Field(
         default="", max_length=64, description="What the token is for, e.g. 'laptop' or 'ci'"
     )
 

@@ -17,7 +17,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 # Environment variables the node agent sets for the launcher and its workers.
 JOB_ID_ENV = "RELAUNCH_JOB_ID"
@@ -70,7 +70,34 @@ class EventKind(StrEnum):
 class RuntimeEvent(BaseModel):
     time: datetime
     kind: EventKind
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: Annotated[dict[str, Any], AfterValidator(_nul_shown_within)] = Field(default_factory=dict)
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _nul_shown(value: str) -> str:
+    return value.replace("\x00", "\ufffd")
+
+
+# PostgreSQL text holds no NUL character. A name or address with one is refused;
+# what a worker printed keeps its line, with U+FFFD where the NUL was.
+PlainText = Annotated[str, AfterValidator(_no_nul)]
+PrintedText = Annotated[str, AfterValidator(_nul_shown)]
+
+
+def _nul_shown_within(value: Any) -> Any:
+    """``value`` with NUL shown as U+FFFD in every string it holds, keys included."""
+    if isinstance(value, str):
+        return _nul_shown(value)
+    if isinstance(value, dict):
+        return {_nul_shown_within(k): _nul_shown_within(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nul_shown_within(v) for v in value]
+    return value
 
 
 # Ids are 64-bit and counts 32-bit in the controller's database: a larger number is
@@ -81,7 +108,7 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 class NodeRegister(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    address: str = Field(min_length=1, max_length=255)
+    address: PlainText = Field(min_length=1, max_length=255)
     slots: int = Field(ge=1, le=1024)
     pid: int = Field(ge=0, le=2**31 - 1)
 
@@ -173,7 +200,7 @@ class LogLine(BaseModel):
     time: datetime
     local_rank: Int32 | None = None
     stream: Literal["stdout", "stderr"] = "stdout"
-    line: str = Field(max_length=8192)
+    line: PrintedText = Field(max_length=8192)
 
 
 class AttemptExit(BaseModel):
@@ -186,7 +213,7 @@ class AttemptExit(BaseModel):
 
     outcome: Literal["succeeded", "failed", "stopped"]
     exit_code: Int32 | None = None
-    message: str = Field(default="", max_length=65536)
+    message: PrintedText = Field(default="", max_length=65536)
     clean: bool = True
     fatal: bool = False
 
@@ -205,7 +232,7 @@ class ReportAccepted(BaseModel):
 class NodeLeave(BaseModel):
     """An agent that is stopping (SIGTERM: ``docker stop``, a scale-down) says so."""
 
-    reason: str = Field(default="the node agent stopped", max_length=200)
+    reason: PlainText = Field(default="the node agent stopped", max_length=200)
 
 
 class NodeLeft(BaseModel):

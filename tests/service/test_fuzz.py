@@ -11,6 +11,7 @@ says what to fix, which is the answer we want.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -24,6 +25,8 @@ from service.settings import ControllerSettings
 from tests.service.conftest import ENROLMENT_TOKEN, Cluster
 from tests.service.test_node_flow import register
 
+# 25 per route in the suite; RELAUNCH_FUZZ_EXAMPLES=500 for a deeper run.
+EXAMPLES = int(os.environ.get("RELAUNCH_FUZZ_EXAMPLES", "25"))
 _NODE_ROUTE = re.compile(r"^/api/v1/nodes/\{node_id\}/")
 
 
@@ -66,7 +69,7 @@ def test_the_api_keeps_its_documented_contract(
 
     @given(case=operation.as_strategy())
     @settings(
-        max_examples=25,
+        max_examples=EXAMPLES,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

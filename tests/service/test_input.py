@@ -212,3 +212,32 @@ def test_list_endpoints_page(api: Cluster) -> None:
     assert [n["name"] for n in page["items"]] == ["b", "c"] and page["total"] == 3
     assert api.get("/api/v1/nodes", params={"limit": 0}).status_code == 422
     assert api.get("/api/v1/users", params={"limit": 1}).json()["total"] >= 2
+
+
+def test_nul_characters_never_reach_the_database(api: Cluster, reconciler: Any) -> None:
+    """PostgreSQL text holds no NUL: names with one are refused, printed text keeps it shown."""
+    bad = {"name": "n", "address": "10.0.0.1\x00", "slots": 1, "pid": 1}
+    assert api.post("/api/v1/nodes/register", json=bad).status_code == 422
+    node = register(api, "a")
+    assert api.post(f"/api/v1/nodes/{node}/leave", json={"reason": "x\x00"}).status_code == 422
+    label = api.post("/api/v1/users/1/tokens", json={"label": "\x00"})
+    assert label.status_code == 422
+    job_id = api.post("/api/v1/jobs", json=SPEC).json()["id"]
+    reconciler.run_once()
+    [assignment] = heartbeat(api, node)
+    report = {
+        "attempt_id": assignment["attempt_id"],
+        "logs": [{"time": "2026-11-22T00:00:00Z", "line": "bin\x00ary", "local_rank": 0}],
+        "events": [
+            {
+                "time": "2026-11-22T00:00:00Z",
+                "kind": "snapshot",
+                "data": {"step": 1, "epoch": 0, "path": "/s/\x00", "bytes": 1},
+            }
+        ],
+    }
+    assert api.post(f"/api/v1/nodes/{node}/reports", json=report).status_code == 200
+    [line] = api.get(f"/api/v1/jobs/{job_id}/logs").json()["items"]
+    assert line["line"] == "bin\ufffdary"
+    [snapshot] = api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"]
+    assert snapshot["path"] == "/s/\ufffd"
