@@ -16,7 +16,7 @@ import logging
 import secrets
 from datetime import datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -51,8 +51,9 @@ def create_user(
     *,
     max_active_jobs: int | None = None,
     max_nodes: int | None = None,
-) -> tuple[User, str]:
-    """A new user and its first token. The token's text is returned once and kept nowhere."""
+) -> tuple[User, ApiToken, str]:
+    """A new user, its first token's row and that token's text, which is returned once and
+    kept nowhere."""
     if session.scalars(select(User).where(User.name == name)).one_or_none() is not None:
         raise Conflict(f"user {name!r} already exists; pick another name")
     user = User(
@@ -64,9 +65,9 @@ def create_user(
     )
     session.add(user)
     session.flush()
-    token = create_token(session, user, "initial", now)[1]
+    row, token = create_token(session, user, "initial", now)
     logger.info("user=%s created name=%s role=%s", user.id, name, role)
-    return user, token
+    return user, row, token
 
 
 def create_token(session: Session, user: User, label: str, now: datetime) -> tuple[ApiToken, str]:
@@ -84,7 +85,9 @@ def revoke_token(session: Session, token_id: int, now: datetime) -> ApiToken:
     row = session.get(ApiToken, token_id)
     if row is None:
         raise NotFound(f"token {token_id} does not exist")
-    if row.revoked_at is None and row.user.role is Role.ADMIN:
+    if row.revoked_at is not None:
+        return row
+    if row.user.role is Role.ADMIN:
         admin_tokens = session.scalars(
             select(ApiToken.id)
             .join(User, User.id == ApiToken.user_id)
@@ -96,9 +99,8 @@ def revoke_token(session: Session, token_id: int, now: datetime) -> ApiToken:
                 f"token {token_id} is the last live admin token; make another first "
                 "(relaunch users token ID)"
             )
-    if row.revoked_at is None:
-        row.revoked_at = now
-        logger.info("user=%s token %s revoked", row.user_id, token_id)
+    row.revoked_at = now
+    logger.info("user=%s token %s revoked", row.user_id, token_id)
     return row
 
 
@@ -141,12 +143,6 @@ def node_for_token(session: Session, token: str) -> Node | None:
 def issue_node_token(session: Session, node: Node) -> str:
     """A new token for ``node``; the one it held before stops working."""
     token = new_token(NODE_TOKEN_PREFIX)
-    session.execute(
-        update(Node)
-        .where(Node.id == node.id)
-        .values(token_hash=token_hash(token))
-        .execution_options(synchronize_session=False)
-    )
     node.token_hash = token_hash(token)
     return token
 
@@ -161,6 +157,6 @@ def bootstrap_admin(factory: sessionmaker[Session], now: datetime) -> str | None
         with factory() as session, session.begin():
             if session.scalar(select(func.count()).select_from(User)):
                 return None
-            return create_user(session, FIRST_ADMIN, Role.ADMIN, now)[1]
+            return create_user(session, FIRST_ADMIN, Role.ADMIN, now)[2]
     except (IntegrityError, Conflict):
         return None

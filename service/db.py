@@ -59,6 +59,19 @@ def _sqlite_begin_read(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN")
 
 
+def _sqlite_engine(url: str) -> Engine:
+    """An engine on the SQLite file ``url`` names (made if missing), with its pragmas;
+    the caller says how its transactions begin."""
+    parsed = make_url(url)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    )
+    event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
 def make_read_engine(url: str, engine: Engine) -> Engine:
     """An engine for transactions that only read.
 
@@ -70,10 +83,7 @@ def make_read_engine(url: str, engine: Engine) -> Engine:
     url = normalize_url(url)
     if make_url(url).get_backend_name() != "sqlite":
         return engine
-    read = create_engine(
-        url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
-    )
-    event.listen(read, "connect", _sqlite_pragmas)
+    read = _sqlite_engine(url)
     event.listen(read, "begin", _sqlite_begin_read)
     return read
 
@@ -90,13 +100,8 @@ def make_engine(url: str) -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(
-            url,
-            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-        )
-        serialize_sqlite(engine)
+        engine = _sqlite_engine(url)
+        event.listen(engine, "begin", _sqlite_begin)  # one writing transaction at a time
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import Select, func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
@@ -50,7 +51,8 @@ def submit_job(
     With ``idempotency_key``, a key this user sent before with the same spec
     gives back that job (``False``); with another spec it raises
     ``IdempotencyMismatch``. Two submits racing with one key: the unique key
-    row lets one commit; the caller retries the other, which then finds it.
+    row lets one commit, and the other raises ``StaleState``; run again (as
+    ``retry_on_stale`` does), it finds the first one's job.
     """
     # Lock the owner's row: their submits run one at a time, so two cannot both
     # pass the limits below.
@@ -94,7 +96,10 @@ def submit_job(
                 created_at=now,
             )
         )
-        session.flush()
+        try:
+            session.flush()
+        except IntegrityError as exc:
+            raise StaleState(f"Idempotency-Key {idempotency_key!r} was just used") from exc
     add_event(session, job.id, "submitted", f"job {job.name!r} submitted by {owner.name}", now)
     logger.info("job=%s submitted name=%s owner=%s", job.id, job.name, owner.name)
     return job, True
@@ -227,7 +232,6 @@ def add_event(
     node_id: int | None = None,
     data: dict[str, Any] | None = None,
 ) -> None:
-    message = message.replace("\x00", "\ufffd")  # quotes what nodes sent; text holds no NUL
     session.add(
         JobEvent(
             job_id=job_id,

@@ -21,12 +21,7 @@ class UnsafePath(ValueError):
 def plain_name(name: str) -> str:
     """``name`` if it is one plain file or directory name, else ``UnsafePath``."""
     decoded = unquote(name)
-    if (
-        not name
-        or name in (".", "..")
-        or decoded in (".", "..")
-        or any(c in decoded for c in ("/", "\\", "\x00"))
-    ):
+    if decoded in ("", ".", "..") or any(c in decoded for c in ("/", "\\", "\x00")):
         raise UnsafePath(f"{name!r} is not a plain file name")
     return name
 

@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from service import jobs
 from service.api.deps import (
@@ -20,7 +20,7 @@ from service.api.deps import (
     SettingsDep,
     UserDep,
 )
-from service.db import retry_on_stale, transaction
+from service.db import retry_on_stale
 from service.models import Attempt, Job
 from service.schemas import (
     REDACTED,
@@ -134,18 +134,14 @@ def submit(
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> JobPublic:
     limits = jobs.Limits(settings.default_max_active_jobs, settings.default_max_nodes)
-    spec: JobSpec = body
-    try:
-        with transaction(factory) as session:
-            job, created = jobs.submit_job(session, spec, user, now, limits, idempotency_key)
-            public = job_public(job)
-    except IntegrityError:
-        if idempotency_key is None:
-            raise
-        # A submit with the same key committed first; this one finds its job.
-        with transaction(factory) as session:
-            job, created = jobs.submit_job(session, spec, user, now, limits, idempotency_key)
-            public = job_public(job)
+
+    def work(session: Session) -> tuple[JobPublic, bool]:
+        job, created = jobs.submit_job(session, body, user, now, limits, idempotency_key)
+        return job_public(job), created
+
+    # A submit with the same key that commits first makes this one's try stale; the
+    # next try finds that job.
+    public, created = retry_on_stale(factory, work)
     if not created:
         response.status_code = status.HTTP_200_OK
     return public

@@ -42,7 +42,7 @@ def me(user: UserDep) -> User:
 
 @router.post("/users", response_model=UserCreated, status_code=status.HTTP_201_CREATED)
 def create_user(body: UserCreate, _: AdminDep, session: SessionDep, now: NowDep) -> UserCreated:
-    user, secret = auth.create_user(
+    user, row, secret = auth.create_user(
         session,
         body.name,
         body.role,
@@ -50,7 +50,6 @@ def create_user(body: UserCreate, _: AdminDep, session: SessionDep, now: NowDep)
         max_active_jobs=body.max_active_jobs,
         max_nodes=body.max_nodes,
     )
-    [row] = auth.user_tokens(session, user.id)
     return UserCreated(user=UserPublic.model_validate(user), token=_created(row, secret))
 
 

@@ -67,7 +67,7 @@ class Cluster(TestClient):
         """A new user, made straight in the database; returns their token."""
         factory = self.app.state.session_factory  # type: ignore[attr-defined]
         with transaction(factory) as session:
-            return auth.create_user(session, name, role, self.app.state.clock(), **limits)[1]  # type: ignore[attr-defined]
+            return auth.create_user(session, name, role, self.app.state.clock(), **limits)[2]  # type: ignore[attr-defined]
 
 
 @pytest.fixture
