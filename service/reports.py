@@ -124,7 +124,7 @@ def _apply_event(
                 step=_int_or(data.get("step"), 0),
                 epoch=_int_or(data.get("epoch"), 0),
                 path=str(data.get("path", ""))[:4096],
-                bytes=_int_or(data.get("bytes"), 0),
+                bytes=_int_or(data.get("bytes"), 0, bits=64),
                 sha256=_sha256_or_none(data.get("sha256")),
                 world_size=_int_or_none(data.get("world_size")),
                 created_at=event.time,
@@ -340,18 +340,20 @@ _SNAPSHOT_TROUBLE = {
 }
 
 
-def _int_or(value: Any, default: int) -> int:
-    number = _int_or_none(value)
+def _int_or(value: Any, default: int, bits: int = 32) -> int:
+    number = _int_or_none(value, bits)
     return default if number is None else number
 
 
-def _int_or_none(value: Any) -> int | None:
-    """A number for a 32-bit column, or None for what is not one (or does not fit)."""
+def _int_or_none(value: Any, bits: int = 32) -> int | None:
+    """A number for a column of ``bits`` bits, or None for what is not one (or does not
+    fit)."""
     try:
         number = None if value is None else int(value)
     except (TypeError, ValueError, OverflowError):
         return None
-    return number if number is None or -(2**31) <= number < 2**31 else None
+    bound = 2 ** (bits - 1)
+    return number if number is None or -bound <= number < bound else None
 
 
 def _sha256_or_none(value: Any) -> str | None:

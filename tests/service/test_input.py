@@ -241,3 +241,18 @@ def test_nul_characters_never_reach_the_database(api: Cluster, reconciler: Any) 
     assert line["line"] == "bin\ufffdary"
     [snapshot] = api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"]
     assert snapshot["path"] == "/s/\ufffd"
+
+
+def test_a_snapshot_over_2_gib_keeps_its_size(api: Cluster, reconciler: Any) -> None:
+    node = register(api, "a")
+    job_id = api.post("/api/v1/jobs", json=SPEC).json()["id"]
+    reconciler.run_once()
+    [assignment] = heartbeat(api, node)
+    event = {"step": 1, "epoch": 0, "path": "/s/x", "bytes": 5 * 2**30}
+    report = {
+        "attempt_id": assignment["attempt_id"],
+        "events": [{"time": "2026-11-22T00:00:00Z", "kind": "snapshot", "data": event}],
+    }
+    assert api.post(f"/api/v1/nodes/{node}/reports", json=report).status_code == 200
+    [snapshot] = api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"]
+    assert snapshot["bytes"] == 5 * 2**30
