@@ -97,6 +97,28 @@ def test_config_defaults_snapshot_every_epoch() -> None:
     assert str(config.final_output_path) == "m.pt"
 
 
+@pytest.mark.parametrize(
+    ("environ", "explicit_steps"),
+    [({"RELAUNCH_SNAPSHOT_EVERY_STEPS": "20"}, None), ({}, 20)],
+    ids=["from-env", "explicit"],
+)
+def test_config_step_interval_alone_drops_the_epoch_default(
+    environ: dict[str, str], explicit_steps: int | None
+) -> None:
+    config = TrainerConfig.from_environ(
+        environ, max_epochs=1, batch_size=1, lr=1.0, snapshot_every_steps=explicit_steps
+    )
+    assert (config.snapshot_every_steps, config.snapshot_every_epochs) == (20, 0)
+    both = TrainerConfig.from_environ(
+        {**environ, "RELAUNCH_SNAPSHOT_EVERY_EPOCHS": "3"},
+        max_epochs=1,
+        batch_size=1,
+        lr=1.0,
+        snapshot_every_steps=explicit_steps,
+    )
+    assert (both.snapshot_every_steps, both.snapshot_every_epochs) == (20, 3)
+
+
 @pytest.mark.parametrize("value", ["soon", "-3"])
 def test_config_bad_env_is_named(value: str) -> None:
     with pytest.raises(ValueError, match="RELAUNCH_SNAPSHOT_EVERY_STEPS"):

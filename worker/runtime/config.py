@@ -112,7 +112,8 @@ class TrainerConfig:
         come from ``environ``.
 
         Precedence: an explicit value, then the ``RELAUNCH_SNAPSHOT_*`` variable,
-        then the default (``./snapshots``, no step snapshots, every epoch). Raises
+        then the default (``./snapshots``; with neither interval set, every epoch and no
+        step snapshots; with only a step interval, no epoch snapshots). Raises
         ``ValueError`` naming a variable that is not a count >= 0.
         """
         if fields.get("snapshot_dir") is None:
@@ -129,5 +130,9 @@ class TrainerConfig:
             fields["snapshot_async"] = raw in ("1", "true")
         if fields.get("snapshot_every_epochs") is None:
             env_epochs = _optional_count(environ, SNAPSHOT_EVERY_EPOCHS_ENV)
-            fields["snapshot_every_epochs"] = 1 if env_epochs is None else env_epochs
+            if env_epochs is None:
+                # Every epoch is the default only when no step interval was asked for:
+                # ``every_steps: 20`` alone means every 20 steps, not also every epoch.
+                env_epochs = 0 if fields["snapshot_every_steps"] else 1
+            fields["snapshot_every_epochs"] = env_epochs
         return cls(**fields)
