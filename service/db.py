@@ -59,12 +59,17 @@ def _sqlite_begin_read(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN")
 
 
+def make_sqlite_parent(url: str) -> None:
+    """Make the directory of the SQLite file ``url`` names; SQLite makes only the file."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+
+
 def _sqlite_engine(url: str) -> Engine:
     """An engine on the SQLite file ``url`` names (made if missing), with its pragmas;
     the caller says how its transactions begin."""
-    parsed = make_url(url)
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    make_sqlite_parent(url)
     engine = create_engine(
         url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -12,6 +14,7 @@ from sqlalchemy import inspect, text
 from service.db import downgrade_to_base, make_engine, upgrade_to_head
 from service.models import Base
 
+REPO = Path(__file__).resolve().parents[2]
 TABLES = {
     "jobs",
     "attempts",
@@ -54,5 +57,40 @@ def test_controllers_that_start_together_migrate_once(db_url: str) -> None:
         assert set(inspect(engine).get_table_names()) >= TABLES
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM controller_leases")).scalar() == 1
+    finally:
+        engine.dispose()
+
+
+def _alembic_by_hand(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``alembic upgrade head`` as an operator runs it in a checkout."""
+    clean = {k: v for k, v in os.environ.items() if not k.endswith("DATABASE_URL")}
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", "-c", str(REPO / "alembic.ini"), "upgrade", "head"],
+        env={**clean, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_alembic_by_hand_migrates_the_controllers_database(db_url: str, tmp_path: Path) -> None:
+    done = _alembic_by_hand({"DATABASE_URL": db_url}, REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    engine = make_engine(db_url)
+    try:
+        assert set(inspect(engine).get_table_names()) >= TABLES
+    finally:
+        engine.dispose()
+    assert not (REPO / ".relaunch").exists()
+
+
+def test_alembic_by_hand_defaults_to_the_data_dir(tmp_path: Path) -> None:
+    data_dir = tmp_path / "fresh" / "data"  # does not exist yet
+    done = _alembic_by_hand({"RELAUNCH_DATA_DIR": str(data_dir)}, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    engine = make_engine(f"sqlite:///{data_dir / 'relaunch.db'}")
+    try:
+        assert set(inspect(engine).get_table_names()) >= TABLES
     finally:
         engine.dispose()
