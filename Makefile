@@ -24,8 +24,12 @@ postgres:
 	  echo "PostgreSQL is not answering on 127.0.0.1:5432" >&2; exit 1
 
 # Debian's Chromium for the dashboard tests; Playwright drives it and downloads no browser.
+# Headless needs none of its Recommends (udev, upower, notification and printer tools, about
+# a hundred packages that can upgrade systemd); the font is named so that text always renders.
+BROWSER_PACKAGES := chromium fonts-dejavu-core
 browser:
-	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+	  apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES); }
 	@command -v chromium >/dev/null || { echo "chromium is not installed" >&2; exit 1; }
 
 lint: install

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from service import auth
 from service.api import health, jobs, nodes, users
@@ -27,6 +28,7 @@ from service.db import (
 )
 from service.errors import (
     Conflict,
+    Fenced,
     Forbidden,
     IdempotencyMismatch,
     NotFound,
@@ -38,12 +40,17 @@ from service.schemas import Problem
 from service.settings import ControllerSettings
 from service.states import InvalidTransition
 from service.store import StoreSupervisor
+from worker.protocol import ReportRefused
 
 logger = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
 # The web dashboard: static files that call the API with the user's token. They hold no
 # data of their own, so they are served without a credential; every answer they show needs one.
 DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "dashboard"
+# Swagger UI's files for /docs are served from here, not from a CDN, so the docs work on a
+# machine without internet; like /docs and /openapi.json they need no credential. There is no
+# /redoc: ReDoc's page always fetches a logo from the internet.
+DOCS_ASSETS = "/docs/assets"
 # What any API route may answer besides its success, each with a Problem body.
 REFUSALS: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "No token, or an unknown or revoked one"},
@@ -90,7 +97,9 @@ def create_app(
             engine.dispose()
             read_engine.dispose()
 
-    app = FastAPI(
+    app = FastAPIOffline(
+        static_url=DOCS_ASSETS,
+        redoc_url=None,
         title="relaunch",
         version="0.1.0",
         description="Fault-tolerant, elastic training service for PyTorch",
@@ -155,6 +164,11 @@ def _map_errors(app: FastAPI) -> None:
     @app.exception_handler(Conflict)
     async def conflict(_: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_409_CONFLICT, content={"detail": str(exc)})
+
+    @app.exception_handler(Fenced)
+    async def fenced(_: Request, exc: Fenced) -> JSONResponse:
+        body = ReportRefused(detail=str(exc), reason=exc.reason)
+        return JSONResponse(status_code=status.HTTP_409_CONFLICT, content=body.model_dump())
 
     @app.exception_handler(StaleState)
     async def stale(_: Request, exc: StaleState) -> JSONResponse:

@@ -1,7 +1,9 @@
 """The web dashboard in headless Chromium (Debian's package, driven by Playwright) against a
 real controller with real agents and a real job: sign-in, the job list, progress, a worker
 kill on the timeline and the curve, cancel from the button, a killed node shown as lost,
-and a controller restart shown as "reconnecting" and then caught up.
+and a controller restart shown as "reconnecting" and then caught up. Short values in the
+tables (times, event kinds, states, counts) stay on one line. The API docs load nothing from
+another host.
 
 Each page's screenshot is kept in ``test-artifacts/dashboard/``.
 """
@@ -38,6 +40,31 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 UI_TIMEOUT_MS = 60_000
 expect.set_options(timeout=UI_TIMEOUT_MS)
+
+# The cells of short values, which must never wrap: on the jobs list all but the name and
+# owner; on a job's page the timeline's time and event kind, the attempts' number, state and
+# world size, and the snapshots; on the nodes page all but the name and address.
+JOBS_SHORT = "[data-testid=jobs] th, [data-testid=jobs] td:not(:nth-child(2), :nth-child(8))"
+TIMELINE_SHORT = "[data-testid=timeline] td:nth-child(-n+2)"
+ATTEMPTS_SHORT = "[data-testid=attempts] td:nth-child(-n+3)"
+SNAPSHOTS = "[data-testid=snapshots] td"
+NODES_SHORT = "[data-testid=nodes] th, [data-testid=nodes] td:nth-child(n+2):nth-child(-n+5)"
+# For each cell a selector matches: its text, and how many lines that text takes on the screen
+# (line boxes its text fragments lie on; fragments of one line are within half a line's height).
+LINES_OF_CELLS = """(selector) => [...document.querySelectorAll(selector)].map((cell) => {
+  const style = getComputedStyle(cell);
+  const lineHeight = parseFloat(style.lineHeight) || parseFloat(style.fontSize);
+  const tops = [];
+  const texts = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+  for (let text = texts.nextNode(); text; text = texts.nextNode()) {
+    const range = document.createRange();
+    range.selectNodeContents(text);
+    for (const rect of range.getClientRects()) if (rect.width > 0) tops.push(rect.top);
+  }
+  tops.sort((a, b) => a - b);
+  const lines = tops.filter((top, i) => i === 0 || top - tops[i - 1] > lineHeight / 2).length;
+  return [cell.innerText, lines];
+})"""
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +104,13 @@ def shot(page: Page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
+def assert_one_line(page: Page, cells: str) -> None:
+    """Every cell ``cells`` selects, and it selects at least one, shows its text on one line."""
+    lines = page.evaluate(LINES_OF_CELLS, cells)
+    assert lines, f"no cell matches {cells}"
+    assert [text for text, count in lines if count != 1] == [], lines
+
+
 def step_shown(page: Page, job_id: int) -> int:
     text = page.locator(f'tr[data-job="{job_id}"] [data-testid=progress]').inner_text()
     return int(text.split("/")[0])
@@ -109,6 +143,7 @@ def test_a_job_is_watched_killed_restarted_and_cancelled_from_the_page(
         first = step_shown(page, job_id)
         wait_for("progress to move", lambda: step_shown(page, job_id) > first, 60, POLL_S)
         shot(page, "jobs")
+        assert_one_line(page, JOBS_SHORT)
 
         row.locator("a").first.click()
         expect(page.locator("[data-testid=loss-line]")).to_be_visible()
@@ -123,6 +158,8 @@ def test_a_job_is_watched_killed_restarted_and_cancelled_from_the_page(
         expect(page.locator("[data-testid=log-tail]").first).not_to_be_empty()
         expect(page.locator("[data-testid=spec]")).to_contain_text('"max_restarts": 3')
         shot(page, "job")
+        for cells in (TIMELINE_SHORT, ATTEMPTS_SHORT, SNAPSHOTS):
+            assert_one_line(page, cells)
 
         page.once("dialog", lambda dialog: dialog.accept())
         page.click("[data-testid=cancel]")
@@ -155,6 +192,7 @@ def test_a_killed_node_shows_as_lost(page: Page, cluster: LocalCluster) -> None:
     expect(doomed).to_have_text("LOST")
     expect(page.locator('tr[data-node="node-a"] [data-testid=state]')).to_have_text("ALIVE")
     shot(page, "nodes")
+    assert_one_line(page, NODES_SHORT)
 
 
 def test_a_controller_restart_shows_reconnecting_then_catches_up(
@@ -174,3 +212,16 @@ def test_a_controller_restart_shows_reconnecting_then_catches_up(
     expect(connection).to_contain_text("updated")
     expect(page.locator(f'tr[data-job="{job_id}"]')).to_be_visible()
     expect(page.locator("#view")).not_to_have_class(re.compile(r"\bstale\b"))
+
+
+def test_the_api_docs_load_nothing_from_another_host(page: Page, cluster: LocalCluster) -> None:
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    page.goto(f"{cluster.url}/docs")
+    # Swagger UI rendered the API (a block for each operation), from files and a document that
+    # all came from the controller.
+    expect(page.locator(".opblock-summary-path", has_text="/api/v1/jobs").first).to_be_visible()
+    page.wait_for_load_state("networkidle")
+    assert f"{cluster.url}/openapi.json" in requested
+    assert [url for url in requested if not url.startswith(f"{cluster.url}/")] == []
+    shot(page, "api-docs")
