@@ -130,7 +130,14 @@ def end_attempt(
     attempt.state, attempt.ended_at, attempt.result = new, now, result
     for member in active_members(session, attempt.id):
         end_member(session, member, MemberState.LEFT, now)
-    logger.info("job=%s attempt=%s ended %s: %s", attempt.job_id, attempt.id, new, result)
+    logger.info(
+        "job=%s attempt=%s attempt_id=%s ended %s: %s",
+        attempt.job_id,
+        attempt.number,
+        attempt.id,
+        new,
+        result,
+    )
 
 
 def drop_member(
@@ -166,6 +173,7 @@ def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> 
     return Assignment(
         attempt_id=attempt.id,
         job_id=job.id,
+        attempt_number=attempt.number,
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import httpx
 import typer
 import yaml
 from pydantic import AliasChoices, ValidationError
@@ -20,6 +22,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from service.client import ApiError, RelaunchClient
+from worker.runtime.labels import log_label
+from worker.settings import DEFAULT_CONTROLLER_URL
+from worker.tasks.registry import TASKS
 
 app = typer.Typer(
     help="relaunch: fault-tolerant, elastic training service for PyTorch",
@@ -31,10 +36,17 @@ err_console = Console(stderr=True)
 
 UrlOption = Annotated[
     str,
-    typer.Option("--url", envvar="RELAUNCH_URL", help="Controller URL"),
+    typer.Option(
+        "--url",
+        envvar="RELAUNCH_URL",
+        help="Controller URL; HOST:PORT alone means http://HOST:PORT",
+    ),
 ]
-DEFAULT_URL = "http://127.0.0.1:8080"
+DEFAULT_URL = DEFAULT_CONTROLLER_URL
+LogLevelOption = Annotated[str, typer.Option(help="Logging level: debug, info, warning or error")]
+JobIdArgument = Annotated[int, typer.Argument(help="The job's id (`relaunch jobs` lists them)")]
 TOKEN_ENV = "RELAUNCH_TOKEN"
+API_TIMEOUT_S = 10.0  # for each request of a command
 STATE_COLOURS = {
     "PENDING": "yellow",
     "WAITING": "yellow",
@@ -85,37 +97,68 @@ def _load_settings(cls: type[S], what: str, **overrides: Any) -> S:
 
 
 def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {escape(message)}")
+    """Print ``message`` as the command's error (never wrapped) and return the exit to raise."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     return typer.Exit(code=2)
 
 
-def _client(url: str) -> RelaunchClient:
-    """A client acting as the user whose token is in RELAUNCH_TOKEN. The token is read
-    from the environment only: a command-line option would show it in `ps`."""
+def with_scheme(url: str) -> str:
+    """``url``, with ``http://`` in front when it names no scheme (``HOST:PORT``)."""
+    url = url.strip()
+    return url if "://" in url else f"http://{url}"
+
+
+def _unreachable(url: str, exc: Exception, timeout_s: float) -> str:
+    """One line on why the controller at ``url`` gave no answer, and what to check."""
+    where = "set RELAUNCH_URL or --url"
+    if isinstance(exc, httpx.TimeoutException):
+        return (
+            f"the controller at {url} did not answer within {timeout_s:g} s; is it up, and "
+            f"is the port open from here? {where}"
+        )
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        return f"{url!r} is not a usable controller URL ({exc}); {where} to http://HOST:PORT"
+    reason = re.sub(r"^\[Errno -?\d+\] ", "", str(exc)) or type(exc).__name__
+    return (
+        f"cannot reach the controller at {url}: {reason[:1].lower()}{reason[1:]}; "
+        f"is `relaunch server` running there? {where}"
+    )
+
+
+@contextmanager
+def _api(url: str, refused: str = "") -> Iterator[RelaunchClient]:
+    """A client acting as the user whose token is in RELAUNCH_TOKEN.
+
+    The token is read from the environment only: a command-line option would
+    show it in `ps`. An error answer ends the command with its message (after
+    ``refused``); no answer (refused, timed out, a bad URL) with one line that
+    names the URL and what to check.
+    """
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise _fail(
             f"set {TOKEN_ENV} to your API token (an admin makes one with "
             "`relaunch users add` or `relaunch users token`)"
         )
-    return RelaunchClient(url, token)
-
-
-@contextmanager
-def _api(url: str) -> Iterator[RelaunchClient]:
-    """A client as in ``_client``; an error answer ends the command with its message."""
-    with _client(url) as client:
-        try:
+    url = with_scheme(url)
+    try:
+        with RelaunchClient(url, token, timeout_s=API_TIMEOUT_S) as client:
             yield client
-        except ApiError as exc:
-            raise _fail(str(exc)) from exc
+    except ApiError as exc:
+        raise _fail(f"{refused}{exc}") from exc
+    except (httpx.TransportError, httpx.InvalidURL) as exc:
+        raise _fail(_unreachable(url, exc, API_TIMEOUT_S)) from exc
 
 
 @app.command()
 def server(
-    host: Annotated[str | None, typer.Option(help="Listen address")] = None,
-    port: Annotated[int | None, typer.Option(help="Listen port")] = None,
-    log_level: Annotated[str, typer.Option()] = "info",
+    host: Annotated[
+        str | None, typer.Option(help="Listen address (default: RELAUNCH_HOST, or 127.0.0.1)")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Listen port (default: RELAUNCH_PORT, or 8080)")
+    ] = None,
+    log_level: LogLevelOption = "info",
 ) -> None:
     """Run the controller: REST API, reconciler and rendezvous store.
 
@@ -146,17 +189,33 @@ def server(
 @app.command()
 def agent(
     controller: Annotated[
-        str, typer.Option(envvar="RELAUNCH_AGENT_CONTROLLER_URL", help="Controller URL")
-    ] = DEFAULT_URL,
-    name: Annotated[str | None, typer.Option(help="Node name (unique)")] = None,
-    address: Annotated[
-        str | None, typer.Option(help="Address other nodes use to reach this one")
+        str,
+        typer.Option(
+            envvar="RELAUNCH_AGENT_CONTROLLER_URL",
+            help="Controller URL; the default is a controller on this host at its default port",
+        ),
+    ] = DEFAULT_CONTROLLER_URL,
+    name: Annotated[
+        str | None, typer.Option(help="Node name, unique and stable (default: the host name)")
     ] = None,
-    slots: Annotated[int | None, typer.Option(help="Worker processes this node takes")] = None,
-    work_dir: Annotated[Path | None, typer.Option(help="Agent state directory")] = None,
-    log_level: Annotated[str, typer.Option()] = "info",
+    address: Annotated[
+        str | None,
+        typer.Option(help="Address other nodes use to reach this one (default: 127.0.0.1)"),
+    ] = None,
+    slots: Annotated[
+        int | None, typer.Option(help="Worker processes this node takes (default: 1)")
+    ] = None,
+    work_dir: Annotated[
+        Path | None, typer.Option(help="Agent state directory (default: ~/.relaunch/agent/NAME)")
+    ] = None,
+    log_level: LogLevelOption = "info",
 ) -> None:
-    """Run a node agent: register with the controller and run what it assigns."""
+    """Run a node agent: register with the controller and run what it assigns.
+
+    An option left out is read from its RELAUNCH_AGENT_* variable (RELAUNCH_AGENT_NAME,
+    ...); the enrolment token only from RELAUNCH_AGENT_ENROLMENT_TOKEN. A refused
+    enrolment token ends the agent with exit status 1.
+    """
     from worker.agent import run_agent
     from worker.settings import AgentSettings
 
@@ -171,7 +230,7 @@ def agent(
         if value is not None:
             overrides[key] = value
     settings = _load_settings(AgentSettings, "agent", **overrides)
-    run_agent(settings)
+    raise typer.Exit(code=run_agent(settings))
 
 
 @app.command()
@@ -247,33 +306,67 @@ def _parse_params(pairs: list[str]) -> dict[str, Any]:
     return params
 
 
+def missing_from_spec(spec: dict[str, Any]) -> str:
+    """What a job spec lacks that only its author can give, in the CLI's terms ('' if
+    nothing); the controller checks the rest."""
+    missing = []
+    if not spec.get("name"):
+        missing.append("--name NAME")
+    if not spec.get("task") and not spec.get("script"):
+        missing.append("either --task TASK or --script PATH (or --module MODULE)")
+    if not missing:
+        return ""
+    return f"give {' and '.join(missing)}, as flags or in a spec file"
+
+
 @app.command()
 def submit(
     spec_file: Annotated[
         Path | None, typer.Argument(help="A job spec as YAML or JSON (flags override it)")
     ] = None,
-    name: Annotated[str | None, typer.Option()] = None,
-    task: Annotated[str | None, typer.Option(help="A built-in task by name")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Job name: letters, digits, '.', '_', '-' (required)")
+    ] = None,
+    task: Annotated[str | None, typer.Option(help=f"A built-in task: {', '.join(TASKS)}")] = None,
     param: Annotated[list[str] | None, typer.Option(help="Task parameter KEY=VALUE")] = None,
     script: Annotated[str | None, typer.Option(help="Absolute path of a torchrun script")] = None,
     module: Annotated[str | None, typer.Option(help="A module to run as python -m")] = None,
     arg: Annotated[list[str] | None, typer.Option(help="Argument of the script/module")] = None,
-    nnodes: Annotated[str | None, typer.Option(help="'N' or 'MIN:MAX'")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option()] = None,
-    max_restarts: Annotated[int | None, typer.Option()] = None,
-    snapshot_every_steps: Annotated[int | None, typer.Option()] = None,
+    nnodes: Annotated[str | None, typer.Option(help="Nodes: 'N' or 'MIN:MAX' (default: 1)")] = None,
+    nproc_per_node: Annotated[
+        int | None, typer.Option(help="Worker processes on each node (default: 1)")
+    ] = None,
+    max_restarts: Annotated[
+        int | None,
+        typer.Option(
+            help="Worker failures the job may restart from (default: 3); "
+            "nodes leaving or joining do not count"
+        ),
+    ] = None,
+    snapshot_every_steps: Annotated[
+        int | None,
+        typer.Option(help="Save a snapshot every N training steps (default: after each epoch)"),
+    ] = None,
     idempotency_key: Annotated[
         str | None,
         typer.Option(help="Send the same key again to get the same job, not a second one"),
     ] = None,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
-    """Submit a job; prints its id."""
+    """Submit a job; prints its id.
+
+    A job needs a name and what to run: a built-in --task, or your own --script or
+    --module. Give them as flags, or in a spec file whose values flags override.
+    """
     spec: dict[str, Any] = _load_spec_file(spec_file) if spec_file else {}
     if name:
         spec["name"] = name
     if task:
         spec["task"] = {"name": task, "params": _parse_params(param or [])}
+    elif param:
+        if not isinstance(spec.get("task"), dict):
+            raise _fail("--param sets a task's parameter: give --task TASK too")
+        spec["task"].setdefault("params", {}).update(_parse_params(param))
     if script or module:
         spec["script"] = {"path": script, "module": module, "args": arg or []}
     for key, value in (
@@ -285,11 +378,11 @@ def submit(
             spec[key] = value
     if snapshot_every_steps is not None:
         spec.setdefault("snapshot", {})["every_steps"] = snapshot_every_steps
-    with _client(url) as client:
-        try:
-            job = client.submit(spec, idempotency_key)
-        except ApiError as exc:
-            raise _fail(f"the controller refused the job: {exc}") from exc
+    missing = missing_from_spec(spec)
+    if missing:
+        raise _fail(f"{missing}; see `relaunch submit --help`")
+    with _api(url, refused="the controller refused the job: ") as client:
+        job = client.submit(spec, idempotency_key)
     console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), state {job['state']}")
 
 
@@ -300,7 +393,7 @@ def _state_text(state: str) -> str:
 @app.command()
 def jobs(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state")] = None,
-    limit: Annotated[int, typer.Option()] = 50,
+    limit: Annotated[int, typer.Option(help="Show at most this many jobs")] = 50,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """List jobs, newest first."""
@@ -332,7 +425,7 @@ def print_timeline(events: list[dict[str, Any]]) -> None:
 
 @app.command()
 def status(
-    job_id: Annotated[int, typer.Argument()],
+    job_id: JobIdArgument,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Show one job: state, progress, attempts and timeline."""
@@ -353,20 +446,37 @@ def status(
     print_timeline(events)
 
 
+def log_line_label(line: dict[str, Any]) -> str:
+    """``attempt 1 node node-a rank 3``, as the workers label their own lines; a line
+    with no global rank (stored before ranks were recorded) names its local rank, and
+    one with neither is the launcher's."""
+    label = log_label(
+        attempt=line.get("attempt_number"),
+        node=line.get("node_name") or f"#{line['node_id']}",
+        rank=line.get("global_rank"),
+        local_rank=line["local_rank"] if line.get("global_rank") is None else None,
+    )
+    if line.get("global_rank") is None and line["local_rank"] is None:
+        label += " launcher"
+    return label
+
+
 @app.command()
 def logs(
-    job_id: Annotated[int, typer.Argument()],
-    follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+    job_id: JobIdArgument,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends")
+    ] = False,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
-    """Print a job's log lines (node, local rank, line); --follow keeps polling."""
+    """Print a job's log lines, each labelled with its attempt, node and global rank;
+    --follow keeps polling."""
     after = 0
     with _api(url) as client:
         while True:
             lines = client.logs(job_id, after_id=after)
             for line in lines:
-                rank = "-" if line["local_rank"] is None else line["local_rank"]
-                typer.echo(f"[node {line['node_id']} rank {rank}] {line['line']}")
+                typer.echo(f"[{log_line_label(line)}] {line['line']}")
                 after = line["id"]
             if not follow:
                 return
@@ -378,7 +488,7 @@ def logs(
 
 @app.command()
 def cancel(
-    job_id: Annotated[int, typer.Argument()],
+    job_id: JobIdArgument,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
     """Cancel a job (cancelling an ended job changes nothing)."""
@@ -398,7 +508,7 @@ def _print_secret(secret: str) -> None:
 
 @users_app.command("add")
 def users_add(
-    name: Annotated[str, typer.Argument()],
+    name: Annotated[str, typer.Argument(help="The new user's name")],
     admin: Annotated[bool, typer.Option("--admin", help="Make an admin")] = False,
     max_active_jobs: Annotated[int | None, typer.Option(help="Unfinished jobs at once")] = None,
     max_nodes: Annotated[int | None, typer.Option(help="Nodes their jobs may hold")] = None,
@@ -432,7 +542,7 @@ def users_list(url: UrlOption = DEFAULT_URL) -> None:
 
 @users_app.command("token")
 def users_token(
-    user_id: Annotated[int, typer.Argument()],
+    user_id: Annotated[int, typer.Argument(help="The user's id (`relaunch users list`)")],
     label: Annotated[str, typer.Option(help="What the token is for")] = "",
     url: UrlOption = DEFAULT_URL,
 ) -> None:
@@ -444,7 +554,10 @@ def users_token(
 
 
 @users_app.command("tokens")
-def users_tokens(user_id: Annotated[int, typer.Argument()], url: UrlOption = DEFAULT_URL) -> None:
+def users_tokens(
+    user_id: Annotated[int, typer.Argument(help="The user's id (`relaunch users list`)")],
+    url: UrlOption = DEFAULT_URL,
+) -> None:
     """List a user's tokens (never their text)."""
     with _api(url) as client:
         rows = client.tokens(user_id)
@@ -457,7 +570,12 @@ def users_tokens(user_id: Annotated[int, typer.Argument()], url: UrlOption = DEF
 
 
 @users_app.command("revoke")
-def users_revoke(token_id: Annotated[int, typer.Argument()], url: UrlOption = DEFAULT_URL) -> None:
+def users_revoke(
+    token_id: Annotated[
+        int, typer.Argument(help="The token's id (`relaunch users tokens USER_ID`)")
+    ],
+    url: UrlOption = DEFAULT_URL,
+) -> None:
     """Revoke an API token: it stops working at once."""
     with _api(url) as client:
         client.revoke_token(token_id)
@@ -477,10 +595,17 @@ def demo(
     port: Annotated[int, typer.Option(help="Controller port")] = 8080,
     keep_running: Annotated[
         bool | None,
-        typer.Option(help="Keep the controller up at the end (default: when on a terminal)"),
+        typer.Option(
+            help="Keep the controller and node agents up at the end, with the API and the "
+            "dashboard, until Ctrl-C (default: when the output is a terminal)",
+            show_default=False,
+        ),
     ] = None,
 ) -> None:
-    """Start a controller and two node agents, train a job, kill a worker, watch it recover."""
+    """Start a controller and two node agents, train a job, kill a worker, watch it recover.
+
+    Without --keep-running, the controller and agents stop when the demo ends.
+    """
     from service.demo import run_demo
 
     raise typer.Exit(code=run_demo(console, port=port, keep_running=keep_running))

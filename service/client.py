@@ -52,7 +52,12 @@ class RelaunchClient:
             except ValueError:
                 detail = response.text
             raise ApiError(response.status_code, detail)
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise ApiError(
+                response.status_code, "the answer is not JSON: is this a relaunch controller?"
+            ) from None
 
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", "/healthz")

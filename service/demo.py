@@ -258,8 +258,9 @@ def run_demo(console: Console, port: int = 8080, keep_running: bool | None = Non
 def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
     with cluster.client() as client:
         submitted_at = time.time()
-        job_id = client.submit(DEMO_SPEC)["id"]
-        console.print(f"submitted job {job_id}: {DEMO_SPEC['task']}, nnodes {DEMO_SPEC['nnodes']}")
+        submitted = client.submit(DEMO_SPEC)
+        job_id = submitted["id"]
+        console.print(escape(job_summary(submitted)))
         killed_at: float | None = None
         progress = Progress(
             TextColumn("{task.description}"),
@@ -301,18 +302,64 @@ def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
 
     print_timeline(events)
     _print_figures(console, job, submitted_at, killed_at, metrics)
+    if keep_running:
+        _serve_until_interrupted(console, cluster, job_id)
+    else:
+        console.print(ended_text(cluster.data_dir))
+    return 0 if job["state"] == "SUCCEEDED" else 1
+
+
+def ended_text(data_dir: Path) -> str:
+    """What a demo that does not keep running says as it stops."""
+    return (
+        f"the demo is over: its controller and node agents stop now, so its API no longer "
+        f"answers (their state and logs stay in {data_dir}); run `relaunch demo "
+        f"--keep-running` to keep them up, with the API and the dashboard, until Ctrl-C"
+    )
+
+
+def _serve_until_interrupted(console: Console, cluster: LocalCluster, job_id: int) -> None:
     console.print(f"API: {cluster.url}/api/v1/jobs/{job_id}   docs: {cluster.url}/docs")
+    console.print(f"dashboard: {cluster.url}/dashboard/")
     console.print(
         f"the demo's admin token (send it as 'Authorization: Bearer …'): {cluster.admin_token}"
     )
-    if keep_running and job["state"] == "SUCCEEDED":
-        console.print("the controller keeps running; press Ctrl-C to stop")
-        try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-    return 0 if job["state"] == "SUCCEEDED" else 1
+    console.print("the controller and node agents keep running; press Ctrl-C to stop them")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+
+
+def job_summary(job: dict[str, Any]) -> str:
+    """One line on a job the API returned: id, name, what it runs, where and how it recovers.
+
+    e.g. ``submitted job 1 demo-charlm: task charlm (epochs=4, seed=7) on 2 nodes,
+    1 process each, up to 3 restarts, a snapshot every 5 steps``.
+    """
+    spec = job["spec"]
+    if spec.get("task"):
+        params = ", ".join(f"{k}={v}" for k, v in spec["task"].get("params", {}).items())
+        what = f"task {spec['task']['name']}" + (f" ({params})" if params else "")
+    else:
+        script = spec.get("script") or {}
+        what = f"script {script['path']}" if script.get("path") else f"module {script['module']}"
+    low, high = job["min_nodes"], job["max_nodes"]
+    nodes = f"{low} node{'s' * (high != 1)}" if low == high else f"{low} to {high} nodes"
+    procs, budget = spec["nproc_per_node"], spec["max_restarts"]
+    restarts = f"up to {budget} restart{'s' * (budget != 1)}" if budget else "no restarts"
+    snapshot = spec.get("snapshot") or {}
+    if snapshot.get("every_steps"):
+        saves = f"a snapshot every {snapshot['every_steps']} steps"
+    elif snapshot.get("every_epochs"):
+        saves = f"a snapshot every {snapshot['every_epochs']} epochs"
+    else:
+        saves = "a snapshot after each epoch"
+    return (
+        f"submitted job {job['id']} {job['name']}: {what} on {nodes}, {procs} "
+        f"process{'es' * (procs != 1)} each, {restarts}, {saves}"
+    )
 
 
 def _print_figures(

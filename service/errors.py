@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from worker.protocol import StopReason
+
 
 class RelaunchError(Exception):
     """Base of every error the controller raises on purpose."""
@@ -20,7 +22,11 @@ class StaleState(Conflict):
 
 
 class Fenced(Conflict):
-    """A node reported for an attempt it is no longer a member of."""
+    """A node reported for an attempt it is no longer a member of; ``reason`` says why."""
+
+    def __init__(self, message: str, reason: StopReason = StopReason.FENCED) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Unauthenticated(RelaunchError):

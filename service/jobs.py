@@ -8,13 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import Select, func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.interfaces import ORMOption
 
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
@@ -190,6 +192,29 @@ def change_job_state(
     logger.info("job=%s state %s -> %s", job.id, old, new)
 
 
+def explain_waiting(
+    session: Session, job: Job, state: JobState, reason: str, now: datetime
+) -> None:
+    """Make ``reason`` the message of a job that waits to be placed, and put it on the timeline.
+
+    Compare-and-set on the row: raises ``StaleState`` when the job is no longer
+    in ``state`` (it was placed, cancelled or failed meanwhile) or already says
+    ``reason``, so two passes never record one reason twice.
+    """
+    if not state.is_placeable():
+        raise ValueError(f"only a job waiting to be placed has a waiting reason, not {state}")
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.state == state, Job.message != reason)
+        .values(message=reason, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleState(f"job {job.id} is no longer {state} or already says why it waits")
+    job.message, job.updated_at = reason, now
+    add_event(session, job.id, "waiting", reason, now)
+
+
 def count_membership_change(session: Session, job_id: int) -> int:
     """Add one to the job's membership changes atomically; return the new count."""
     count = session.execute(
@@ -243,7 +268,7 @@ def add_event(
             data=data or {},
         )
     )
-    logger.info("job=%s attempt=%s event %s: %s", job_id, attempt_id, kind, message)
+    logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
 
 
 Row = TypeVar("Row", JobEvent, Metric, LogEntry)
@@ -257,6 +282,7 @@ def _page_after(
     after_id: int,
     limit: int,
     *filters: Any,
+    load: Sequence[ORMOption] = (),
 ) -> list[Row]:
     """A job's rows of ``model`` with ids above ``after_id``, oldest first (for polling)."""
     job_for(session, job_id, viewer)
@@ -265,6 +291,7 @@ def _page_after(
         .where(model.job_id == job_id, model.id > after_id, *filters)
         .order_by(model.id)
         .limit(limit)
+        .options(*load)
     )
     return list(session.scalars(stmt))
 
@@ -295,7 +322,9 @@ def job_logs(
         filters.append(LogEntry.local_rank == local_rank)
     if node_id is not None:
         filters.append(LogEntry.node_id == node_id)
-    return _page_after(session, LogEntry, job_id, viewer, after_id, limit, *filters)
+    # Each line is shown with its node's name and the job's own attempt number.
+    load = (selectinload(LogEntry.node), selectinload(LogEntry.attempt))
+    return _page_after(session, LogEntry, job_id, viewer, after_id, limit, *filters, load=load)
 
 
 def last_snapshot_times(session: Session, job_ids: list[int]) -> dict[int, datetime]:

@@ -245,7 +245,11 @@ class Metric(Base):
 
 
 class LogEntry(Base):
-    """One line a worker (or its launcher) wrote on a node."""
+    """One line a worker (or its launcher) wrote on a node.
+
+    A worker's line has its local rank and, from nodes that report it, its
+    global rank; the launcher's own lines have neither.
+    """
 
     __tablename__ = "log_lines"
     __table_args__ = (Index("ix_log_lines_job_id_id", "job_id", "id"),)
@@ -256,8 +260,21 @@ class LogEntry(Base):
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
     time: Mapped[datetime]
     local_rank: Mapped[int | None] = mapped_column(Integer)
+    global_rank: Mapped[int | None] = mapped_column(Integer)
     stream: Mapped[str] = mapped_column(String(8))
     line: Mapped[str] = mapped_column(Text)
+
+    attempt: Mapped[Attempt] = relationship()
+    node: Mapped[Node] = relationship()
+
+    @property
+    def attempt_number(self) -> int:
+        """The job's own number of the attempt, as users see it."""
+        return self.attempt.number
+
+    @property
+    def node_name(self) -> str:
+        return self.node.name
 
 
 class ControllerLease(Base):

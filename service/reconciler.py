@@ -27,7 +27,13 @@ from service.attempts import (
 )
 from service.db import transaction
 from service.errors import StaleState
-from service.jobs import add_event, change_job_state, count_membership_change, get_job
+from service.jobs import (
+    add_event,
+    change_job_state,
+    count_membership_change,
+    explain_waiting,
+    get_job,
+)
 from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
@@ -60,6 +66,7 @@ class JobView:
     waiting_since: datetime | None = None
     not_before: datetime | None = None
     wait_for_nodes: timedelta = timedelta(minutes=10)
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,41 @@ class GiveUpWaiting:
     waiting_since: datetime
 
 
-Action = MarkNodeLost | PlaceJob | AddMembers | WaitForNodes | GiveUpWaiting
+@dataclass(frozen=True)
+class ExplainWait:
+    """A PENDING or WAITING job cannot be placed: its message (and timeline) says why.
+
+    Decided only when ``reason`` differs from the job's message, so the
+    timeline gets one event per change of reason, not one per pass.
+    """
+
+    job_id: int
+    state: JobState
+    reason: str
+
+
+Action = MarkNodeLost | PlaceJob | AddMembers | WaitForNodes | GiveUpWaiting | ExplainWait
+
+
+def _waiting_reason(job: JobView, free: int, busy: int, too_small: int) -> str:
+    """Why ``job`` is not placed: ``free`` alive nodes it fits are idle, ``busy`` more
+    serve other jobs, ``too_small`` alive nodes have fewer slots than it needs.
+
+    The text depends only on these counts, so it changes only when the cluster does.
+    """
+    needs = f"needs {job.min_nodes}"
+    if job.nproc_per_node > 1:
+        needs += f" with {job.nproc_per_node} slots each"
+    if free + busy + too_small == 0:
+        return f"waiting for nodes: {needs}, no node is alive"
+    counts = [f"{free} {'is' if free == 1 else 'are'} free"]
+    if busy:
+        counts.append(f"{busy} {'is' if busy == 1 else 'are'} busy with other jobs")
+    reason = f"waiting for nodes: {needs}, {' and '.join(counts)}"
+    if too_small:
+        nodes = "node has" if too_small == 1 else "nodes have"
+        reason += f"; {too_small} more alive {nodes} fewer than {job.nproc_per_node} slots"
+    return reason
 
 
 def plan(
@@ -112,7 +153,8 @@ def plan(
       WAITs; a WAITING job whose ``wait_for_nodes`` has run out fails.
     - PENDING and WAITING jobs, oldest first, are placed once at least MIN
       fitting nodes are free (a WAITING job not before its back-off ends);
-      they get up to MAX.
+      they get up to MAX. One that cannot be placed gets an ``ExplainWait``
+      when the reason (free, busy and too small nodes) differs from its message.
     - Then running jobs below MAX take free fitting nodes (scale up), but not
       a node that already left that attempt: its agent has fenced the attempt
       and will not run it again; it serves the job's next attempt instead.
@@ -156,6 +198,17 @@ def plan(
             chosen = tuple(fitting[: job.max_nodes])
             actions.append(PlaceJob(job.id, chosen))
             free = [n for n in free if n.id not in chosen]
+            continue
+        # Nodes placed for an older job in this pass count as busy: they are, next pass.
+        big_enough = sum(1 for n in alive if n.slots >= job.nproc_per_node)
+        reason = _waiting_reason(
+            job,
+            free=len(fitting),
+            busy=big_enough - len(fitting),
+            too_small=len(alive) - big_enough,
+        )
+        if reason != job.message:
+            actions.append(ExplainWait(job.id, job.state, reason))
     for job, remaining in running:
         room = job.max_nodes - len(remaining)
         fitting = [
@@ -196,6 +249,7 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
                 waiting_since=job.waiting_since,
                 not_before=job.not_before,
                 wait_for_nodes=timedelta(seconds=spec.wait_for_nodes_s),
+                message=job.message,
             )
         )
     return nodes, jobs
@@ -281,6 +335,9 @@ class Reconciler:
             self._wait_for_nodes(session, action, now)
         elif isinstance(action, GiveUpWaiting):
             self._give_up_waiting(session, action, now)
+        elif isinstance(action, ExplainWait):
+            job = get_job(session, action.job_id, for_update=True)
+            explain_waiting(session, job, action.state, action.reason, now)
 
     def _free_nodes(self, session: Session, node_ids: Sequence[int]) -> list[Node]:
         """The named nodes, locked, if every one is alive and in no running attempt."""

@@ -23,7 +23,7 @@ from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, 
 from service.nodes import get_node
 from service.schemas import JobSpec
 from service.states import AttemptState, JobState, MemberState
-from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent
+from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
         if report.exit is not None:
             _record_stale_exit(session, member, report.exit, now)
             return
-        raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it")
+        cancelled = attempt.job.state is JobState.CANCELLED
+        reason = StopReason.CANCELLED if cancelled else StopReason.FENCED
+        raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it", reason)
     job = get_job(session, attempt.job_id, for_update=True)
     _store_logs(session, job, attempt, node, report)
     for event in report.events:
@@ -58,6 +60,7 @@ def _store_logs(
             node_id=node.id,
             time=line.time,
             local_rank=line.local_rank,
+            global_rank=line.global_rank,
             stream=line.stream,
             line=line.line,
         )

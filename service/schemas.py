@@ -331,8 +331,13 @@ class LogPublic(_FromRow):
     id: int
     time: datetime
     attempt_id: int
+    attempt_number: int = Field(description="The job's own number of the attempt (1, 2, ...)")
     node_id: int
+    node_name: str
     local_rank: int | None
+    global_rank: int | None = Field(
+        default=None, description="The worker's rank in the job; None for the launcher's lines"
+    )
     stream: str
     line: str
 

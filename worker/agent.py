@@ -3,7 +3,8 @@
 One loop on one thread owns everything (``NodeAgent.run``):
 
 1. at start: become a child subreaper, kill what a previous life of this agent
-   left behind (pid ledger), then register (retrying until the controller answers);
+   left behind (pid ledger), then register (retrying until the controller answers;
+   a refused enrolment token ends the agent instead, since asking again cannot help);
 2. every heartbeat interval: send the running attempts, receive the complete
    set of assignments, and reconcile: start those not running, stop those no
    longer assigned (``plan_reconcile`` decides, the loop acts);
@@ -11,9 +12,10 @@ One loop on one thread owns everything (``NodeAgent.run``):
    exit report once an attempt has ended; refresh the pid ledger.
 
 A 404 on heartbeat makes the agent register again; a 409 on a report means the
-attempt is fenced: it is stopped, and only its exit is reported (a 409 on that
-too and it is forgotten). On SIGTERM/SIGINT every attempt
-is stopped (SIGTERM, grace, SIGKILL) and reported before ``run`` returns.
+attempt is over for this node (its job was cancelled, or it was fenced): it is
+stopped, and only its exit is reported (a 409 on that too and it is forgotten).
+On SIGTERM/SIGINT every attempt is stopped (SIGTERM, grace, SIGKILL) and
+reported before ``run`` returns.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from worker.client import (
     ControllerClient,
     ControllerError,
     ControllerUnavailableError,
+    EnrolmentRefusedError,
     FencedError,
     UnknownNodeError,
 )
-from worker.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister
+from worker.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
 from worker.settings import AgentSettings
 
 logger = logging.getLogger(__name__)
@@ -184,6 +187,17 @@ class NodeAgent:
         )
         try:
             reply = self._client.register(body)
+        except EnrolmentRefusedError as exc:
+            logger.error(
+                "node=%s the controller at %s refused the enrolment token (%d: %s); "
+                "RELAUNCH_AGENT_ENROLMENT_TOKEN must equal the controller's "
+                "RELAUNCH_ENROLMENT_TOKEN. Not retrying: the agent exits",
+                self._settings.name,
+                self._settings.controller_url,
+                exc.status_code,
+                exc.detail,
+            )
+            raise
         except ControllerError as exc:
             logger.warning(
                 "node=%s register failed (retry in %.1fs): %s",
@@ -254,10 +268,13 @@ class NodeAgent:
                 return True
             try:
                 self._client.report(node_id, pending.report)
-            except FencedError:
+            except FencedError as exc:
                 if pending.report.exit is not None:
                     logger.warning("%s exit report refused (409); dropping it", ctx)
                     attempt.give_up_reporting()
+                elif exc.reason is StopReason.CANCELLED:
+                    logger.info("%s cancelled by its owner; stopping it", ctx)
+                    attempt.fence("its job was cancelled")
                 else:
                     logger.warning("%s fenced by the controller; stopping it", ctx)
                     attempt.fence()
@@ -309,9 +326,17 @@ class NodeAgent:
         logger.info("node=%s agent stopped", self._settings.name)
 
 
-def run_agent(settings: AgentSettings) -> None:
-    """Run a node agent until SIGTERM/SIGINT (call from the main thread)."""
+def run_agent(settings: AgentSettings) -> int:
+    """Run a node agent until SIGTERM/SIGINT (call from the main thread); the exit status.
+
+    0 after a signal; 1 when the controller refused the enrolment token (the
+    reason is logged), so that a restart policy, not this loop, decides whether to retry.
+    """
     with ControllerClient(
         settings.controller_url, settings.enrolment_token.get_secret_value()
     ) as client:
-        NodeAgent(settings, client).run()
+        try:
+            NodeAgent(settings, client).run()
+        except EnrolmentRefusedError:
+            return 1
+    return 0

@@ -9,9 +9,12 @@ nothing (log lines are capped in memory; events stay in their file).
 
 Worker output reaches us through torchrun's ``--tee 3``: torch redirects each
 worker's stdout/stderr into files under ``--log-dir`` and tails them onto the
-launcher's own stdout/stderr with a ``[<role><local_rank>]:`` prefix
+launcher's own stdout/stderr with a prefix per worker
 (``torch/distributed/elastic/multiprocessing/tail_log.py``, ``TailLog.start``).
-Lines without that prefix come from the launcher itself (local_rank None).
+The agent sets that prefix to ``[<role><local_rank> rank<global_rank>]:``
+(``LOG_LINE_PREFIX_TEMPLATE``): torch fills it in at every start of the workers,
+after the rendezvous that gave them their global ranks. Lines without a prefix
+come from the launcher itself (local_rank None).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, NamedTuple
 
 import psutil
 
@@ -36,6 +39,7 @@ from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.paths import inside
 from worker.protocol import (
     ATTEMPT_ID_ENV,
+    ATTEMPT_NUMBER_ENV,
     EVENTS_FILE_ENV,
     JOB_ID_ENV,
     NODE_NAME_ENV,
@@ -53,6 +57,7 @@ from worker.protocol import (
     LogLine,
     RunningAttempt,
 )
+from worker.runtime.labels import log_label
 from worker.runtime.storage import is_url
 from worker.settings import AgentSettings
 
@@ -61,7 +66,10 @@ logger = logging.getLogger(__name__)
 TORCHRUN_ROLE = "default"  # torchrun's --role default; it names the tee prefix
 MONITOR_INTERVAL_S = 0.2
 MAX_LINE_CHARS = 8192  # protocol.LogLine.line
-_PREFIX = re.compile(rf"^\[{TORCHRUN_ROLE}(\d+)\]:")
+# torch substitutes ${role_name}, ${local_rank} and ${rank} (the global rank) per worker.
+LOG_LINE_PREFIX_TEMPLATE = "[${role_name}${local_rank} rank${rank}]:"
+# torch's default prefix, ``[default0]:``, carries the local rank only.
+_PREFIX = re.compile(rf"^\[{TORCHRUN_ROLE}(\d+)(?: rank(\d+))?\]:")
 # Variables torchrun would read as defaults for its own options, or to change the prefix.
 _TORCHRUN_ENV_PREFIX = "PET_"
 _PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -90,12 +98,21 @@ def attempt_marker(settings: AgentSettings, attempt_id: int) -> dict[str, str]:
     }
 
 
-def parse_console_line(text: str) -> tuple[int | None, str]:
-    """Split a launcher console line into (local_rank, text); None for the launcher's own."""
+class ConsoleLine(NamedTuple):
+    """A line of the launcher's console: ranks None for the launcher's own lines."""
+
+    local_rank: int | None
+    global_rank: int | None
+    text: str
+
+
+def parse_console_line(text: str) -> ConsoleLine:
+    """Split a launcher console line into its worker's ranks and the worker's text."""
     match = _PREFIX.match(text)
     if match is None:
-        return None, text
-    return int(match.group(1)), text[match.end() :]
+        return ConsoleLine(None, None, text)
+    global_rank = None if match.group(2) is None else int(match.group(2))
+    return ConsoleLine(int(match.group(1)), global_rank, text[match.end() :])
 
 
 def build_torchrun_args(assignment: Assignment, *, local_addr: str, log_dir: Path) -> list[str]:
@@ -158,6 +175,7 @@ def build_launcher_env(
     env.update(
         {
             JOB_ID_ENV: str(assignment.job_id),
+            _PREFIX_TEMPLATE_ENV: LOG_LINE_PREFIX_TEMPLATE,
             SNAPSHOT_DIR_ENV: assignment.snapshot_dir,
             EVENTS_FILE_ENV: str(events_file),
             STORE_ENDPOINT_ENV: assignment.rendezvous.endpoint,
@@ -170,6 +188,8 @@ def build_launcher_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if assignment.attempt_number is not None:
+        env[ATTEMPT_NUMBER_ENV] = str(assignment.attempt_number)
     if progress_dir is not None:
         env[PROGRESS_DIR_ENV] = str(progress_dir)
     if assignment.snapshot_every_steps is not None:
@@ -185,6 +205,14 @@ def build_launcher_env(
         if interface is not None:
             env[GLOO_IFNAME_ENV] = interface
     return env
+
+
+def attempt_label(assignment: Assignment) -> str:
+    """``job 3 attempt 2``, by the job's own attempt number; by the controller's id
+    (``attempt id 7``) only if the controller did not send the number."""
+    if assignment.attempt_number is not None:
+        return log_label(job=assignment.job_id, attempt=assignment.attempt_number)
+    return f"{log_label(job=assignment.job_id)} attempt id {assignment.attempt_id}"
 
 
 def interface_of(address: str) -> str | None:
@@ -224,7 +252,7 @@ class Attempt:
         self._popen: subprocess.Popen[bytes] | None = None
         self._readers: list[threading.Thread] = []
         self._tracked: dict[procs.ProcessId, psutil.Process] = {}
-        self._ctx = f"job={assignment.job_id} attempt={assignment.attempt_id}"
+        self._ctx = "[" + attempt_label(assignment) + "]"
         self._stopper: threading.Thread | None = None
         self._fenced = False
         self.exit: AttemptExit | None = None
@@ -295,7 +323,8 @@ class Attempt:
     def _read_stream(self, pipe: IO[bytes] | None, stream: Literal["stdout", "stderr"]) -> None:
         if pipe is None:
             return
-        rank: int | None = None
+        local_rank: int | None = None
+        global_rank: int | None = None
         continues = False  # the previous chunk ended mid-line (a line over MAX_LINE_CHARS)
         with pipe:
             for chunk in iter(lambda: pipe.readline(MAX_LINE_CHARS), b""):
@@ -303,10 +332,11 @@ class Attempt:
                 complete = text.endswith("\n")
                 text = text.rstrip("\r\n")
                 if not continues:
-                    rank, text = parse_console_line(text)
+                    local_rank, global_rank, text = parse_console_line(text)
                 line = LogLine(
                     time=datetime.now(UTC),
-                    local_rank=rank,
+                    local_rank=local_rank,
+                    global_rank=global_rank,
                     stream=stream,
                     line=text[:MAX_LINE_CHARS],
                 )
@@ -417,10 +447,12 @@ class Attempt:
         if self._stopper is not None:
             self._stopper.join(timeout_s)
 
-    def fence(self) -> None:
+    def fence(
+        self, reason: str = "fenced: the controller no longer assigns it to this node"
+    ) -> None:
         """The controller refused a report (409): stop; only the exit is still worth sending."""
         self._fenced = True
-        self.stop("fenced: the controller no longer assigns it to this node")
+        self.stop(reason)
 
     def give_up_reporting(self) -> None:
         """The controller refused the exit report too: nothing more to say."""

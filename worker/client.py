@@ -7,6 +7,9 @@ so callers decide per endpoint what a failure means:
 - ``UnknownNodeError`` (404, or 401 to a node token): the controller does not know this
   node or its token; register again.
 - ``FencedError`` (409 on a report): the attempt is no longer this node's; stop it.
+  Its ``reason`` says whether the job was cancelled or the attempt went on without it.
+- ``EnrolmentRefusedError`` (401 or 403 on registration): the controller refuses the
+  enrolment token; asking again cannot help.
 - ``ControllerUnavailableError``: no answer; keep the data and try again later.
 
 Delivery is at least once: a report whose reply was lost is sent again.
@@ -33,6 +36,8 @@ from worker.protocol import (
     NodeRegister,
     NodeRegistered,
     ReportAccepted,
+    ReportRefused,
+    StopReason,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,20 @@ class UnknownNodeError(ControllerError):
 
 
 class FencedError(ControllerError):
-    """409 on a report: the attempt is no longer assigned to this node."""
+    """409 on a report: the attempt is no longer assigned to this node; ``reason`` says why."""
+
+    def __init__(self, message: str, reason: StopReason = StopReason.FENCED) -> None:
+        super().__init__(message, 409)
+        self.reason = reason
+
+
+class EnrolmentRefusedError(ControllerError):
+    """401 or 403 on registration: the controller refuses the enrolment token (a wrong
+    token, or a controller that accepts no nodes); ``detail`` is the controller's word."""
+
+    def __init__(self, detail: str, status_code: int) -> None:
+        super().__init__(f"POST /nodes/register: {status_code} {detail}", status_code)
+        self.detail = detail
 
 
 class _RetryableStatus(Exception):
@@ -101,7 +119,11 @@ class ControllerClient:
         self.close()
 
     def register(self, body: NodeRegister) -> NodeRegistered:
-        reply = self._call("/nodes/register", body, NodeRegistered, self._enrolment_token)
+        path = "/nodes/register"
+        response = self._post(path, body, self._enrolment_token)
+        if response.status_code in (401, 403):
+            raise EnrolmentRefusedError(_detail(response), response.status_code)
+        reply = self._read(path, response, NodeRegistered, self._enrolment_token)
         self._node_token = reply.node_token
         return reply
 
@@ -109,12 +131,11 @@ class ControllerClient:
         return self._call(f"/nodes/{node_id}/heartbeat", body, HeartbeatReply, self._as_node())
 
     def report(self, node_id: int, body: AttemptReport) -> ReportAccepted:
-        try:
-            return self._call(f"/nodes/{node_id}/reports", body, ReportAccepted, self._as_node())
-        except ControllerError as exc:
-            if exc.status_code == 409:
-                raise FencedError(str(exc), 409) from exc
-            raise
+        path, token = f"/nodes/{node_id}/reports", self._as_node()
+        response = self._post(path, body, token)
+        if response.status_code == 409:
+            raise FencedError(f"POST {path}: 409 {response.text[:200]}", _stop_reason(response))
+        return self._read(path, response, ReportAccepted, token)
 
     def leave(self, node_id: int, body: NodeLeave) -> NodeLeft:
         return self._call(f"/nodes/{node_id}/leave", body, NodeLeft, self._as_node())
@@ -125,7 +146,10 @@ class ControllerClient:
         return self._node_token
 
     def _call(self, path: str, body: BaseModel, reply_type: type[_M], token: str) -> _M:
-        response = self._post(path, body, token)
+        return self._read(path, self._post(path, body, token), reply_type, token)
+
+    def _read(self, path: str, response: httpx.Response, reply_type: type[_M], token: str) -> _M:
+        """The reply of a 2xx answer; a ``ControllerError`` for any other."""
         if response.status_code == 404 or (
             response.status_code == 401 and token is self._node_token
         ):
@@ -171,3 +195,20 @@ class ControllerClient:
                 f"POST {path}: {exc.response.status_code}", exc.response.status_code
             ) from exc
         raise AssertionError("unreachable: tenacity either returns or reraises")
+
+
+def _detail(response: httpx.Response) -> str:
+    """The controller's ``detail`` of an error answer, or the start of its text."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail) if detail else response.text[:200]
+
+
+def _stop_reason(response: httpx.Response) -> StopReason:
+    """Why a report was refused; an answer that does not say (an older controller) is a fence."""
+    try:
+        return ReportRefused.model_validate_json(response.content).reason
+    except ValidationError:
+        return StopReason.FENCED

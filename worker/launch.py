@@ -42,13 +42,15 @@ from typing import Any
 
 from worker import procs
 from worker.bootstrap import STACK_DUMP_SIGNAL
-from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV, EventKind, RestartPolicy
+from worker.protocol import EventKind, RestartPolicy
 from worker.runtime.events import EventWriter
+from worker.runtime.labels import label_from_environ
 from worker.runtime.progress import progress_file
 
 logger = logging.getLogger(__name__)
 
-_CTX = f"job={os.environ.get(JOB_ID_ENV, '-')} attempt={os.environ.get(ATTEMPT_ID_ENV, '-')}"
+# ``[job 3 attempt 2 node node-a]``: the launcher's own lines have no rank.
+_CTX = f"[{label_from_environ(os.environ, node=True) or 'launcher'}]"
 _NO_ERROR_FILE = "<N/A>"  # torch's ProcessFailure.error_file when the worker wrote none
 # An error file can hold a whole traceback; an event line must stay under
 # events.MAX_LINE_BYTES to be appended atomically.
@@ -181,9 +183,9 @@ class Supervision:
         """
         for worker, idle in hung:
             logger.error(
-                "%s worker local_rank %s (rank %s, pid %s) made no progress for %.1f s; "
+                "%s worker rank %s (local rank %s, pid %s) made no progress for %.1f s; "
                 "dumping stacks and restarting",
-                _CTX, worker.local_rank, worker.global_rank, worker.id, idle,
+                _CTX, worker.global_rank, worker.local_rank, worker.id, idle,
             )  # fmt: skip
             self.events.emit(
                 EventKind.HANG,
@@ -324,7 +326,7 @@ def run_torchrun(
             return "failed", 1, f"fatal: {supervision.fatal}"
         global_rank, failure = exc.get_first_failure()
         message = (
-            f"local_rank {failure.local_rank} (rank {global_rank}) failed: "
+            f"rank {global_rank} (local rank {failure.local_rank}) failed: "
             f"{failure_message(failure)}"
         )
         return "failed", 1, message

@@ -21,7 +21,8 @@ from pydantic import AfterValidator, BaseModel, Field
 
 # Environment variables the node agent sets for the launcher and its workers.
 JOB_ID_ENV = "RELAUNCH_JOB_ID"
-ATTEMPT_ID_ENV = "RELAUNCH_ATTEMPT_ID"
+ATTEMPT_ID_ENV = "RELAUNCH_ATTEMPT_ID"  # the controller's id of the attempt
+ATTEMPT_NUMBER_ENV = "RELAUNCH_ATTEMPT_NUMBER"  # the job's own count: 1, 2, ... (what users see)
 NODE_NAME_ENV = "RELAUNCH_NODE_NAME"
 SNAPSHOT_DIR_ENV = "RELAUNCH_SNAPSHOT_DIR"
 SNAPSHOT_EVERY_STEPS_ENV = "RELAUNCH_SNAPSHOT_EVERY_STEPS"
@@ -167,6 +168,11 @@ class Assignment(BaseModel):
 
     attempt_id: int
     job_id: int
+    attempt_number: int | None = Field(
+        default=None,
+        description="The job's own number of this attempt (1, 2, ...), the one users see; "
+        "attempt_id is the controller's id for it",
+    )
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
@@ -197,8 +203,11 @@ class HeartbeatReply(BaseModel):
 
 
 class LogLine(BaseModel):
+    """One output line; a worker's carries its local rank and, when known, its global rank."""
+
     time: datetime
     local_rank: Int32 | None = None
+    global_rank: Int32 | None = None
     stream: Literal["stdout", "stderr"] = "stdout"
     line: PrintedText = Field(max_length=8192)
 
@@ -227,6 +236,23 @@ class AttemptReport(BaseModel):
 
 class ReportAccepted(BaseModel):
     accepted: bool
+
+
+class StopReason(StrEnum):
+    """Why an attempt is over for a node, as the controller says when it refuses a report."""
+
+    FENCED = "fenced"  # the attempt went on without this node, or was replaced
+    CANCELLED = "cancelled"  # the job's owner (or an admin) cancelled the job
+
+
+class ReportRefused(BaseModel):
+    """The body of a 409 answer to a report: the attempt is over for this node; stop it.
+
+    A controller older than ``reason`` sends ``detail`` alone, which reads as fenced.
+    """
+
+    detail: str = ""
+    reason: StopReason = StopReason.FENCED
 
 
 class NodeLeave(BaseModel):

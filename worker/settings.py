@@ -15,6 +15,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 NODE_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
+# A controller on this host at its default port (RELAUNCH_PORT): the one-host setup.
+DEFAULT_CONTROLLER_URL = "http://127.0.0.1:8080"
 
 
 def default_node_name() -> str:
@@ -30,7 +32,11 @@ def _default_work_dir(data: dict[str, Any]) -> Path:
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RELAUNCH_AGENT_", extra="ignore")
 
-    controller_url: str = Field(description="Base URL of the controller, e.g. http://host:8000")
+    controller_url: str = Field(
+        default=DEFAULT_CONTROLLER_URL,
+        description="Base URL of the controller, e.g. http://controller.internal:8080; "
+        "the default is a controller on this host at its default port",
+    )
     enrolment_token: SecretStr = Field(
         min_length=1,
         description="The controller's RELAUNCH_ENROLMENT_TOKEN; read from the environment "

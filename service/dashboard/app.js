@@ -87,6 +87,10 @@ function s(tag, attrs = {}, text) {
   return el;
 }
 
+// A table cell for a short value (a time, a kind, a state, a count): one line, as wide as it
+// needs. Other cells hold free text, which takes the rest of the row's width and wraps.
+const fit = (...children) => h("td", { class: "fit" }, ...children);
+
 const view = () => document.getElementById("view");
 const stateTag = (state) => h("span", { class: `state ${state}`, "data-testid": "state" }, state);
 
@@ -204,16 +208,16 @@ function jobsPage(params) {
           h(
             "tr",
             { "data-job": job.id },
-            h("td", {}, h("a", { href: `#/jobs/${job.id}` }, job.id)),
+            fit(h("a", { href: `#/jobs/${job.id}` }, job.id)),
             h("td", {}, h("a", { href: `#/jobs/${job.id}` }, job.name)),
-            h("td", {}, stateTag(job.state)),
-            h("td", {}, `${job.world_size ?? "–"} / ${job.min_nodes}:${job.max_nodes}`),
-            h("td", {}, progress(job)),
-            h("td", {}, `${job.restart_count} / ${job.spec.max_restarts}`),
-            h("td", {}, ago(job.last_snapshot_at)),
+            fit(stateTag(job.state)),
+            fit(`${job.world_size ?? "–"} / ${job.min_nodes}:${job.max_nodes}`),
+            fit(progress(job)),
+            fit(`${job.restart_count} / ${job.spec.max_restarts}`),
+            fit(ago(job.last_snapshot_at)),
             h("td", {}, job.owner ?? "–"),
-            h("td", {}, clock(job.started_at)),
-            h("td", {}, duration(job.started_at, job.finished_at)),
+            fit(clock(job.started_at)),
+            fit(duration(job.started_at, job.finished_at)),
           ),
         ),
       );
@@ -362,7 +366,9 @@ function jobPage(jobId) {
       seen.eventId = events.items.at(-1)?.id ?? seen.eventId;
       seen.metricId = metrics.items.at(-1)?.id ?? seen.metricId;
       for (const line of lines.items) {
-        const key = `node ${line.node_id} · local rank ${line.local_rank ?? "–"}`;
+        const who = line.global_rank != null ? `rank ${line.global_rank}`
+          : line.local_rank != null ? `local rank ${line.local_rank}` : "launcher";
+        const key = `attempt ${line.attempt_number} · node ${line.node_name} · ${who}`;
         const tail = seen.logs.get(key) ?? [];
         tail.push(line.line);
         seen.logs.set(key, tail.slice(-LOG_TAIL));
@@ -374,7 +380,7 @@ function jobPage(jobId) {
           h("span", {}, "red dashes: restart"), h("span", {}, "blue dashes: world size change")));
       timeline.replaceChildren(
         ...seen.events.map((e) =>
-          h("tr", { "data-kind": e.kind }, h("td", {}, clock(e.time)), h("td", {}, e.kind), h("td", {}, e.message)),
+          h("tr", { "data-kind": e.kind }, fit(clock(e.time)), fit(e.kind), h("td", {}, e.message)),
         ),
       );
       attempts.replaceChildren(
@@ -382,9 +388,9 @@ function jobPage(jobId) {
           h(
             "tr",
             {},
-            h("td", {}, `#${a.number}`),
-            h("td", {}, stateTag(a.state)),
-            h("td", {}, `world ${a.world_size ?? "–"}`),
+            fit(`#${a.number}`),
+            fit(stateTag(a.state)),
+            fit(`world ${a.world_size ?? "–"}`),
             h("td", {}, a.members.map((m) => `${m.node_name} (${m.state.toLowerCase()})`).join(", ")),
             h("td", {}, a.result),
           ),
@@ -392,9 +398,9 @@ function jobPage(jobId) {
       );
       snapshots.replaceChildren(
         ...snaps.items.slice(-10).reverse().map((sn) =>
-          h("tr", {}, h("td", {}, `step ${sn.step}`), h("td", {}, `epoch ${sn.epoch}`),
-            h("td", {}, `world ${sn.world_size ?? "–"}`), h("td", {}, `${(sn.bytes / 1024).toFixed(0)} KiB`),
-            h("td", {}, clock(sn.created_at))),
+          h("tr", {}, fit(`step ${sn.step}`), fit(`epoch ${sn.epoch}`),
+            fit(`world ${sn.world_size ?? "–"}`), fit(`${(sn.bytes / 1024).toFixed(0)} KiB`),
+            fit(clock(sn.created_at))),
         ),
       );
       logs.replaceChildren(
@@ -434,10 +440,10 @@ function nodesPage() {
             "tr",
             { "data-node": node.name },
             h("td", {}, node.name),
-            h("td", {}, stateTag(node.state)),
-            h("td", {}, ago(node.last_heartbeat_at)),
-            h("td", {}, node.job_id ? h("a", { href: `#/jobs/${node.job_id}` }, `job ${node.job_id}`) : node.busy ? "another user's job" : "–"),
-            h("td", {}, node.slots),
+            fit(stateTag(node.state)),
+            fit(ago(node.last_heartbeat_at)),
+            fit(node.job_id ? h("a", { href: `#/jobs/${node.job_id}` }, `job ${node.job_id}`) : node.busy ? "another user's job" : "–"),
+            fit(node.slots),
             h("td", {}, node.address),
           ),
         ),

@@ -65,6 +65,14 @@ def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
     assert resumed[0]["data"]["resumed_from_step"] > 0
     steps = [m["step"] for m in client.metrics(job_id)]
     assert steps[-1] == job["total_steps"]
+    # A worker's own log lines name the job's attempt number and the global rank, the same
+    # numbers the log entry carries (restarts inside the attempt keep its number).
+    workers = [e for e in client.logs(job_id) if e["global_rank"] is not None]
+    labelled = [e for e in workers if f"[job {job_id} attempt " in e["line"]]
+    assert labelled, [e["line"] for e in workers[-20:]]
+    for entry in labelled:
+        label = f"[job {job_id} attempt {entry['attempt_number']} rank {entry['global_rank']}]"
+        assert label in entry["line"], entry
     wait_no_processes(cluster, job_id)
 
     reference_id = client.submit(regression_spec("reference", step_delay=0.0))["id"]
@@ -122,6 +130,19 @@ def test_a_torchrun_script_runs_unchanged_as_a_job(
     assert job["state"] == "SUCCEEDED", job
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
-    lines = [entry["line"] for entry in client.logs(job_id)]
+    entries = client.logs(job_id)
+    lines = [entry["line"] for entry in entries]
     assert any("done rank=0 world=2" in line for line in lines), lines[-20:]
     assert any("done rank=1 world=2" in line for line in lines), lines[-20:]
+    # Each line is labelled as the rest of relaunch names things: its global rank (both
+    # workers are local rank 0 of their node), its node's name, the job's attempt number.
+    done = {e["global_rank"]: e for e in entries if "done rank=" in e["line"]}
+    assert sorted(done) == [0, 1]
+    for rank, entry in done.items():
+        assert f"done rank={rank} " in entry["line"]
+        assert (entry["local_rank"], entry["attempt_number"]) == (0, 1)
+    assert {e["node_name"] for e in done.values()} == {"node-a", "node-b"}
+    launcher = [e for e in entries if e["local_rank"] is None and "rendezvous:" in e["line"]]
+    assert launcher, lines[-20:]
+    for entry in launcher:
+        assert f"[job {job_id} attempt 1 node {entry['node_name']}]" in entry["line"], entry

@@ -26,3 +26,11 @@ def test_an_error_with_brackets_prints_as_it_is(capsys: pytest.CaptureFixture[st
     cli.err_console.width = 400
     cli._fail(GLOO_ERROR)
     assert "[/__w/pytorch" in capsys.readouterr().err
+
+
+def test_log_lines_use_the_labels_of_relaunch_status() -> None:
+    line = {"node_id": 7, "node_name": "node-a", "attempt_number": 2, "local_rank": 0}
+    assert cli.log_line_label({**line, "global_rank": 3}) == "attempt 2 node node-a rank 3"
+    assert cli.log_line_label({**line, "global_rank": None}) == "attempt 2 node node-a local rank 0"
+    launcher = {**line, "local_rank": None, "global_rank": None}
+    assert cli.log_line_label(launcher) == "attempt 2 node node-a launcher"

@@ -76,12 +76,54 @@ def test_job_waits_for_min_nodes_then_runs_on_them(api: TestClient, reconciler: 
     for node_id in (a, b):
         [assignment] = heartbeat(api, node_id)
         assert assignment["attempt_id"] == attempt["id"]
+        assert assignment["attempt_number"] == attempt["number"] == 1
         assert assignment["rendezvous"]["rdzv_id"] == attempt["rdzv_id"]
         assert assignment["rendezvous"]["endpoint"].endswith(":29999")
         assert assignment["entrypoint"]["module"] == "worker.tasks.regression"
         assert "--epochs" in assignment["entrypoint"]["args"]
         assert assignment["snapshot_dir"].endswith(f"job-{job_id}")
         assert assignment["snapshot_every_steps"] == 5
+
+
+def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    register(api, "a")
+    register(api, "b")
+    job_id = submit(api, "3")
+    for _ in range(3):
+        reconciler.run_once()
+    detail = job(api, job_id)
+    assert detail["state"] == "PENDING"
+    assert detail["message"] == "waiting for nodes: needs 3, 2 are free"
+    events = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+    assert [(e["kind"], e["message"]) for e in events][1:] == [
+        ("waiting", "waiting for nodes: needs 3, 2 are free")
+    ]
+    c = register(api, "c")
+    reconciler.run_once()
+    detail = job(api, job_id)
+    assert (detail["state"], detail["message"]) == ("RUNNING", "")
+    assert kinds(api, job_id) == ["submitted", "waiting", "placed"]
+    [assignment] = heartbeat(api, c)
+    assert assignment["job_id"] == job_id
+
+
+def test_a_waiting_job_says_how_many_nodes_it_still_lacks(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    a, _ = register(api, "a"), register(api, "b")
+    job_id = submit(api, "2:2")
+    reconciler.run_once()
+    clock.advance(8)
+    heartbeat(api, a)
+    clock.advance(5)  # b silent for 13 s: lost, and the job is below MIN
+    for _ in range(3):
+        reconciler.run_once()
+    detail = job(api, job_id)
+    assert detail["state"] == "WAITING"
+    assert detail["message"] == "waiting for nodes: needs 2, 1 is free"
+    assert kinds(api, job_id)[-2:] == ["waiting_for_nodes", "waiting"]
 
 
 def test_reports_drive_the_job_to_success_through_a_restart(
@@ -95,7 +137,14 @@ def test_reports_drive_the_job_to_success_through_a_restart(
         api,
         a,
         attempt_id,
-        logs=[{"time": datetime.now(UTC).isoformat(), "local_rank": 0, "line": "hello"}],
+        logs=[
+            {
+                "time": datetime.now(UTC).isoformat(),
+                "local_rank": 0,
+                "global_rank": 1,
+                "line": "hello",
+            }
+        ],
         events=[
             event("rendezvous", world_size=2, group_rank=0, group_world_size=2),
             event("started", world_size=2, restart_count=0, resumed_from_step=None, total_steps=40),
@@ -172,6 +221,8 @@ def test_reports_drive_the_job_to_success_through_a_restart(
     assert api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"][0]["step"] == 10
     [line] = api.get(f"/api/v1/jobs/{job_id}/logs").json()["items"]
     assert (line["line"], line["local_rank"], line["node_id"]) == ("hello", 0, a)
+    # Labelled as users see them elsewhere: node name, the job's attempt number, global rank.
+    assert (line["node_name"], line["attempt_number"], line["global_rank"]) == ("a", 1, 1)
     logs = f"/api/v1/jobs/{job_id}/logs"
     assert len(api.get(logs, params={"node_id": a, "local_rank": 0}).json()["items"]) == 1
     assert api.get(logs, params={"local_rank": 1}).json()["items"] == []

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from service.reconciler import (
     AddMembers,
+    ExplainWait,
     GiveUpWaiting,
     JobView,
     MarkNodeLost,
@@ -18,6 +19,7 @@ from service.states import JobState, NodeState
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TIMEOUT = timedelta(seconds=10)
+ONE_OF_TWO = "waiting for nodes: needs 2, 1 is free"
 
 
 def node(
@@ -35,6 +37,7 @@ def job(
     created: float = 0.0,
     waiting_since: float | None = None,
     not_before: float | None = None,
+    message: str = "",
 ) -> JobView:
     return JobView(
         id=id,
@@ -48,11 +51,14 @@ def job(
         waiting_since=None if waiting_since is None else T0 + timedelta(seconds=waiting_since),
         not_before=None if not_before is None else T0 + timedelta(seconds=not_before),
         wait_for_nodes=timedelta(seconds=60),
+        message=message,
     )
 
 
 def test_pending_job_waits_until_min_nodes_are_free() -> None:
-    assert plan(T0, [node(1)], [job(1, (2, 2))], TIMEOUT) == []
+    assert plan(T0, [node(1)], [job(1, (2, 2))], TIMEOUT) == [
+        ExplainWait(1, JobState.PENDING, "waiting for nodes: needs 2, 1 is free")
+    ]
     assert plan(T0, [node(1), node(2)], [job(1, (2, 2))], TIMEOUT) == [PlaceJob(1, (1, 2))]
 
 
@@ -65,7 +71,13 @@ def test_placement_takes_at_most_max_nodes_and_oldest_job_first() -> None:
 def test_busy_nodes_are_not_placed_twice() -> None:
     nodes = [node(1), node(2)]
     jobs = [job(1, (1, 1), JobState.RUNNING, members=(1,)), job(2, (2, 2))]
-    assert plan(T0, nodes, jobs, TIMEOUT) == []
+    assert plan(T0, nodes, jobs, TIMEOUT) == [
+        ExplainWait(
+            2,
+            JobState.PENDING,
+            "waiting for nodes: needs 2, 1 is free and 1 is busy with other jobs",
+        )
+    ]
 
 
 def test_nodes_without_enough_slots_do_not_count() -> None:
@@ -112,7 +124,7 @@ def test_a_waiting_job_is_placed_again_when_min_nodes_are_free() -> None:
 
 def test_a_waiting_job_fails_once_its_deadline_has_passed() -> None:
     nodes = [node(1, seen=70.0)]
-    jobs = [job(1, (2, 2), JobState.WAITING, waiting_since=10.0)]
+    jobs = [job(1, (2, 2), JobState.WAITING, waiting_since=10.0, message=ONE_OF_TWO)]
     assert plan(T0 + timedelta(seconds=70), nodes, jobs, TIMEOUT) == []
     later = T0 + timedelta(seconds=70.5)
     assert plan(later, nodes, jobs, TIMEOUT) == [GiveUpWaiting(1, T0 + timedelta(seconds=10))]
@@ -155,10 +167,86 @@ def test_pending_jobs_get_free_nodes_before_running_jobs_grow() -> None:
 
 def test_lost_nodes_are_never_placed() -> None:
     nodes = [node(1, state=NodeState.LOST), node(2)]
-    assert plan(T0, nodes, [job(1, (2, 2))], TIMEOUT) == []
+    assert plan(T0, nodes, [job(1, (2, 2), message=ONE_OF_TWO)], TIMEOUT) == []
 
 
 def test_plan_is_pure() -> None:
     nodes = [node(1), node(2)]
     jobs = [job(1, (1, 2))]
     assert plan(T0, nodes, jobs, TIMEOUT) == plan(T0, nodes, jobs, TIMEOUT)
+
+
+def explained(now: datetime, nodes: list[NodeView], jobs: list[JobView]) -> dict[int, str]:
+    return {
+        a.job_id: a.reason for a in plan(now, nodes, jobs, TIMEOUT) if isinstance(a, ExplainWait)
+    }
+
+
+def test_a_job_that_cannot_be_placed_is_told_why_once() -> None:
+    nodes = [node(1), node(2)]
+    pending = job(1, (3, 3))
+    assert plan(T0, nodes, [pending], TIMEOUT) == [
+        ExplainWait(1, JobState.PENDING, "waiting for nodes: needs 3, 2 are free")
+    ]
+    told = job(1, (3, 3), message="waiting for nodes: needs 3, 2 are free")
+    assert plan(T0 + timedelta(seconds=5), nodes, [told], TIMEOUT) == []
+    assert explained(T0, [*nodes, node(3, state=NodeState.LOST)], [told]) == {}
+    assert plan(T0, [*nodes, node(3)], [told], TIMEOUT) == [PlaceJob(1, (1, 2, 3))]
+
+
+def test_the_reason_tells_busy_nodes_from_missing_ones() -> None:
+    nodes = [node(1), node(2), node(3)]
+    jobs = [job(1, (2, 2), JobState.RUNNING, members=(1, 2)), job(2, (3, 3), created=1.0)]
+    assert explained(T0, nodes, jobs) == {
+        2: "waiting for nodes: needs 3, 1 is free and 2 are busy with other jobs"
+    }
+
+
+def test_nodes_an_older_job_takes_in_the_same_pass_count_as_busy() -> None:
+    nodes = [node(1), node(2)]
+    jobs = [job(1, (2, 2), created=0.0), job(2, (2, 2), created=1.0)]
+    actions = plan(T0, nodes, jobs, TIMEOUT)
+    assert actions == [
+        PlaceJob(1, (1, 2)),
+        ExplainWait(
+            2,
+            JobState.PENDING,
+            "waiting for nodes: needs 2, 0 are free and 2 are busy with other jobs",
+        ),
+    ]
+
+
+def test_the_reason_names_nodes_with_too_few_slots() -> None:
+    nodes = [node(1, slots=4), node(2, slots=1), node(3, slots=2)]
+    assert explained(T0, nodes, [job(1, (2, 2), nproc=4)]) == {
+        1: "waiting for nodes: needs 2 with 4 slots each, 1 is free; "
+        "2 more alive nodes have fewer than 4 slots"
+    }
+
+
+def test_the_reason_says_when_no_node_is_alive() -> None:
+    nodes = [node(1, state=NodeState.LOST)]
+    assert explained(T0, nodes, [job(1, (1, 1))]) == {
+        1: "waiting for nodes: needs 1, no node is alive"
+    }
+
+
+def test_a_waiting_job_is_told_why_after_its_back_off_but_not_during_it() -> None:
+    nodes = [node(1, seen=20.0)]
+    waiting = job(1, (2, 2), JobState.WAITING, waiting_since=10.0, not_before=25.0)
+    assert plan(T0 + timedelta(seconds=20), nodes, [waiting], TIMEOUT) == []
+    assert plan(T0 + timedelta(seconds=25), nodes, [waiting], TIMEOUT) == [
+        ExplainWait(1, JobState.WAITING, "waiting for nodes: needs 2, 1 is free")
+    ]
+
+
+def test_a_waiting_job_whose_deadline_passed_fails_instead_of_being_explained() -> None:
+    nodes = [node(1, seen=70.5)]
+    waiting = job(1, (2, 2), JobState.WAITING, waiting_since=10.0)
+    later = T0 + timedelta(seconds=70.5)
+    assert plan(later, nodes, [waiting], TIMEOUT) == [GiveUpWaiting(1, T0 + timedelta(seconds=10))]
+
+
+def test_the_reason_changes_with_the_cluster() -> None:
+    told = job(1, (3, 3), message="waiting for nodes: needs 3, 2 are free")
+    assert explained(T0, [node(1)], [told]) == {1: "waiting for nodes: needs 3, 1 is free"}

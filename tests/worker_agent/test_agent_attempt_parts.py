@@ -1,10 +1,13 @@
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from string import Template
 
 import pytest
 
 from worker.attempt import (
+    LOG_LINE_PREFIX_TEMPLATE,
+    attempt_label,
     attempt_marker,
     build_launcher_env,
     build_torchrun_args,
@@ -120,19 +123,22 @@ def test_launcher_env(tmp_path: Path) -> None:
         "DATABASE_URL": "postgresql://u:pw@db/relaunch",
     }
     env = build_launcher_env(
-        _assignment(snapshot_every_steps=10),
+        _assignment(snapshot_every_steps=10, attempt_number=2),
         settings=settings,
         events_file=tmp_path / "ev.jsonl",
         base_env=base,
     )
     assert env["PATH"] == "/bin" and env["FOO"] == "bar"
-    assert "PET_TEE" not in env and "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in env
+    assert "PET_TEE" not in env
+    # The workers' line prefix is ours: it carries the global rank.
+    assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == LOG_LINE_PREFIX_TEMPLATE
     # The job's code never sees the node's credentials or the controller's database.
     assert not {k for k in env if k.startswith("RELAUNCH_AGENT_")}
     assert not {"RELAUNCH_ENROLMENT_TOKEN", "RELAUNCH_TOKEN", "DATABASE_URL"} & set(env)
     assert "node-secret" not in env.values()
     assert env["RELAUNCH_JOB_ID"] == "3"
     assert env["RELAUNCH_ATTEMPT_ID"] == "12"  # ours wins over assignment.env
+    assert env["RELAUNCH_ATTEMPT_NUMBER"] == "2"  # the job's own number, for log labels
     assert env["RELAUNCH_NODE_NAME"] == "node-a"
     assert env["RELAUNCH_NODE_AGENT_DIR"] == str(settings.work_dir.resolve())
     assert env["RELAUNCH_SNAPSHOT_DIR"] == "/snap/3"
@@ -149,16 +155,31 @@ def test_launcher_env(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        ("[default0]:hello", (0, "hello")),
-        ("[default13]:[default1]:x", (13, "[default1]:x")),
-        ("[default2]:", (2, "")),
-        ("W1122 11:06 run.py:874] warn", (None, "W1122 11:06 run.py:874] warn")),
-        ("[trainer0]:other role", (None, "[trainer0]:other role")),
-        (" [default0]:indented", (None, " [default0]:indented")),
+        ("[default0 rank2]:hello", (0, 2, "hello")),
+        ("[default1 rank13]:[default0 rank1]:x", (1, 13, "[default0 rank1]:x")),
+        ("[default2 rank2]:", (2, 2, "")),
+        ("[default0]:torch's own prefix", (0, None, "torch's own prefix")),
+        ("W1122 11:06 run.py:874] warn", (None, None, "W1122 11:06 run.py:874] warn")),
+        ("[trainer0 rank0]:other role", (None, None, "[trainer0 rank0]:other role")),
+        (" [default0 rank0]:indented", (None, None, " [default0 rank0]:indented")),
+        ("[default0 rank]:no number", (None, None, "[default0 rank]:no number")),
     ],
 )  # fmt: skip
-def test_parse_console_line(raw: str, expected: tuple[int | None, str]) -> None:
+def test_parse_console_line(raw: str, expected: tuple[int | None, int | None, str]) -> None:
     assert parse_console_line(raw) == expected
+
+
+def test_the_prefix_torch_renders_from_our_template_parses_back() -> None:
+    # torch fills the template in with string.Template (LocalElasticAgent._start_workers).
+    header = Template(LOG_LINE_PREFIX_TEMPLATE).safe_substitute(
+        role_name="default", rank=5, local_rank=1
+    )
+    assert parse_console_line(header + "step 3") == (1, 5, "step 3")
+
+
+def test_the_agent_names_an_attempt_by_the_jobs_own_number() -> None:
+    assert attempt_label(_assignment(attempt_number=2)) == "job 3 attempt 2"
+    assert attempt_label(_assignment()) == "job 3 attempt id 12"
 
 
 def _line(text: str) -> LogLine:

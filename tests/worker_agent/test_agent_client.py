@@ -5,10 +5,11 @@ from worker.client import (
     ControllerClient,
     ControllerError,
     ControllerUnavailableError,
+    EnrolmentRefusedError,
     FencedError,
     UnknownNodeError,
 )
-from worker.protocol import AttemptReport, Heartbeat, NodeRegister
+from worker.protocol import AttemptReport, Heartbeat, NodeRegister, StopReason
 
 ENROL = "enrolment-secret"
 REGISTERED = {"node_id": 1, "heartbeat_interval_s": 1.0, "node_token": "rln_one"}
@@ -116,8 +117,50 @@ def test_404_on_heartbeat_means_unknown_node() -> None:
 
 def test_409_on_report_means_fenced() -> None:
     transport = httpx.MockTransport(lambda r: httpx.Response(409, json={"detail": "gone"}))
-    with _client(transport) as client, pytest.raises(FencedError):
+    with _client(transport) as client, pytest.raises(FencedError) as info:
         client.report(1, AttemptReport(attempt_id=3))
+    assert info.value.reason is StopReason.FENCED  # a controller that gives no reason
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"detail": "over", "reason": "cancelled"}, StopReason.CANCELLED),
+        ({"detail": "over", "reason": "fenced"}, StopReason.FENCED),
+        ({"detail": "over", "reason": "a reason of a later controller"}, StopReason.FENCED),
+    ],
+)
+def test_a_refused_report_says_why_the_attempt_is_over(
+    body: dict[str, str], reason: StopReason
+) -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(409, json=body))
+    with _client(transport) as client, pytest.raises(FencedError) as info:
+        client.report(1, AttemptReport(attempt_id=3))
+    assert info.value.reason is reason
+
+
+@pytest.mark.parametrize(
+    ("status", "detail"),
+    [
+        (401, "the enrolment token is wrong"),
+        (403, "this controller accepts no nodes: start it with RELAUNCH_ENROLMENT_TOKEN set"),
+    ],
+)
+def test_a_refused_enrolment_token_is_its_own_error(status: int, detail: str) -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(status, json={"detail": detail}))
+    with _client(transport, registered=False) as client:
+        with pytest.raises(EnrolmentRefusedError) as info:
+            client.register(NODE)
+        assert info.value.status_code == status and info.value.detail == detail
+        with pytest.raises(UnknownNodeError):  # and no node token was taken
+            client.heartbeat(1, Heartbeat())
+
+
+def test_a_server_error_on_registration_is_not_a_refused_token() -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(500, text="boom"))
+    with _client(transport, registered=False) as client, pytest.raises(ControllerError) as info:
+        client.register(NODE)
+    assert not isinstance(info.value, EnrolmentRefusedError) and info.value.status_code == 500
 
 
 def test_other_errors_and_bad_replies_are_controller_errors() -> None:

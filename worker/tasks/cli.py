@@ -19,9 +19,9 @@ from typing import TypeVar
 from torch import nn
 from torch.utils.data import Dataset
 
-from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
+from worker.runtime.labels import label_from_environ
 from worker.runtime.setup import LossFn, OptimizerFactory, seed_everything
 from worker.runtime.trainer import Trainer
 from worker.tasks.registry import CommonParams, flag_name, get_task, validate_params
@@ -139,16 +139,12 @@ def trainer_config(
 def configure_logging(
     env: DistEnv, level: str = "INFO", environ: Mapping[str, str] = os.environ
 ) -> None:
-    """Log to stderr with the job, attempt (when the agent set them) and rank in every line."""
-    tags = [
-        f"{key} {environ[var]}"
-        for key, var in (("job", JOB_ID_ENV), ("attempt", ATTEMPT_ID_ENV))
-        if environ.get(var)
-    ]
-    tags.append(f"rank {env.rank}")
+    """Log to stderr with the job, attempt (when the agent set them) and global rank in
+    every line: ``[job 3 attempt 2 rank 5]``."""
+    label = label_from_environ(environ, rank=env.rank)
     logging.basicConfig(
         level=level.upper(),
-        format=f"%(asctime)s %(levelname)s [{' '.join(tags)}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [{label}] %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,
     )
