@@ -9,7 +9,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.errors import StaleState
-from service.jobs import add_event, count_membership_change
+from service.events import add_event
 from service.models import Attempt, AttemptMember, Job, Node
 from service.schemas import JobSpec
 from service.settings import ControllerSettings
@@ -138,6 +138,22 @@ def end_attempt(
         new,
         result,
     )
+
+
+def count_membership_change(session: Session, job_id: int) -> int:
+    """Add one to the job's membership changes atomically; return the new count."""
+    count = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(membership_changes=Job.membership_changes + 1)
+        .returning(Job.membership_changes)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    job = session.get(Job, job_id)
+    if job is not None:
+        job.membership_changes = count
+        session.flush()
+    return int(count)
 
 
 def drop_member(

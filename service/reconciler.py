@@ -21,19 +21,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.attempts import (
     active_members,
     add_member,
+    count_membership_change,
     create_attempt,
     end_attempt,
     running_attempt,
 )
 from service.db import transaction
 from service.errors import StaleState
-from service.jobs import (
-    add_event,
-    change_job_state,
-    count_membership_change,
-    explain_waiting,
-    get_job,
-)
+from service.events import add_event
+from service.jobs import change_job_state, explain_waiting, get_job
 from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
