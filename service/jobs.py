@@ -23,7 +23,8 @@ from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleSta
 from service.events import add_event
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
 from service.schemas import JobSpec, parse_nnodes
-from service.states import JOB_TRANSITIONS, TERMINAL_JOB_STATES, JobState, check_transition
+from service.states import TERMINAL_JOB_STATES, JobState
+from service.transitions import transition
 
 logger = logging.getLogger(__name__)
 
@@ -173,24 +174,15 @@ def change_job_state(
     when the row's state is no longer the one ``job`` was read with.
     """
     old = job.state
-    check_transition(JOB_TRANSITIONS, old, new)
-    values: dict[str, Any] = {"state": new, "updated_at": now}
+    values: dict[str, Any] = {"updated_at": now}
     if message is not None:
         values["message"] = message
     if new is JobState.RUNNING and job.started_at is None:
         values["started_at"] = now
     if new.is_terminal():
         values["finished_at"] = now
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.state == old)
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not transition(session, job, new, **values):
         raise StaleState(f"job {job.id} is no longer {old}")
-    for key, value in values.items():
-        setattr(job, key, value)
     logger.info("job=%s state %s -> %s", job.id, old, new)
 
 
