@@ -11,8 +11,8 @@ from sqlalchemy.orm import Session
 from service.errors import StaleState
 from service.events import add_event
 from service.models import Attempt, AttemptMember, Job, Node
-from service.schemas import JobSpec
 from service.settings import ControllerSettings
+from service.spec import JobSpec
 from service.states import AttemptState, MemberState
 from service.transitions import transition
 from worker.protocol import Assignment, Entrypoint, RendezvousConfig

@@ -22,7 +22,7 @@ from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.events import add_event
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
-from service.schemas import JobSpec, parse_nnodes
+from service.spec import JobSpec, parse_nnodes
 from service.states import TERMINAL_JOB_STATES, JobState
 from service.transitions import transition
 

@@ -33,8 +33,8 @@ from service.jobs import change_job_state, explain_waiting, get_job
 from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
-from service.schemas import JobSpec
 from service.settings import ControllerSettings
+from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
 
 logger = logging.getLogger(__name__)

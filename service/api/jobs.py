@@ -30,7 +30,6 @@ from service.schemas import (
     JobCreate,
     JobDetail,
     JobPublic,
-    JobSpec,
     JobsPublic,
     LogPublic,
     LogsPublic,
@@ -40,6 +39,7 @@ from service.schemas import (
     SnapshotPublic,
     SnapshotsPublic,
 )
+from service.spec import JobSpec
 from service.states import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
