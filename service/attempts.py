@@ -162,7 +162,7 @@ def entrypoint_for(spec: JobSpec) -> Entrypoint:
 
 
 def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> Assignment:
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     return Assignment(
         attempt_id=attempt.id,
         job_id=job.id,

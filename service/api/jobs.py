@@ -39,7 +39,6 @@ from service.schemas import (
     SnapshotPublic,
     SnapshotsPublic,
 )
-from service.spec import JobSpec
 from service.states import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -50,8 +49,7 @@ AfterId = Annotated[
 
 
 def job_public(job: Job, last_snapshot_at: datetime | None = None) -> JobPublic:
-    spec = JobSpec.model_validate(job.spec)
-    spec.env = dict.fromkeys(spec.env, REDACTED)
+    spec = job.job_spec.model_copy(update={"env": dict.fromkeys(job.job_spec.env, REDACTED)})
     return JobPublic(
         id=job.id,
         name=job.name,
