@@ -9,17 +9,12 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.errors import StaleState
-from service.jobs import add_event, count_membership_change
+from service.events import add_event
 from service.models import Attempt, AttemptMember, Job, Node
-from service.schemas import JobSpec
 from service.settings import ControllerSettings
-from service.states import (
-    ATTEMPT_TRANSITIONS,
-    MEMBER_TRANSITIONS,
-    AttemptState,
-    MemberState,
-    check_transition,
-)
+from service.spec import JobSpec
+from service.states import AttemptState, MemberState
+from service.transitions import transition
 from worker.protocol import Assignment, Entrypoint, RendezvousConfig
 from worker.tasks.registry import TASKS, task_args
 
@@ -100,17 +95,7 @@ def end_member(
     """ACTIVE → LEFT/EXITED with compare-and-set; False if it had already ended."""
     if member.state is not MemberState.ACTIVE:
         return False
-    check_transition(MEMBER_TRANSITIONS, member.state, new)
-    result = session.execute(
-        update(AttemptMember)
-        .where(AttemptMember.id == member.id, AttemptMember.state == MemberState.ACTIVE)
-        .values(state=new, left_at=now, exit_code=exit_code)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
-        return False
-    member.state, member.left_at, member.exit_code = new, now, exit_code
-    return True
+    return transition(session, member, new, left_at=now, exit_code=exit_code)
 
 
 def end_attempt(
@@ -118,16 +103,8 @@ def end_attempt(
 ) -> None:
     """End a running attempt and every membership still active in it."""
     new = AttemptState(new)
-    check_transition(ATTEMPT_TRANSITIONS, attempt.state, new)
-    res = session.execute(
-        update(Attempt)
-        .where(Attempt.id == attempt.id, Attempt.state == AttemptState.RUNNING)
-        .values(state=new, ended_at=now, result=result)
-        .execution_options(synchronize_session=False)
-    )
-    if res.rowcount != 1:  # type: ignore[attr-defined]
+    if not transition(session, attempt, new, ended_at=now, result=result):
         raise StaleState(f"attempt {attempt.id} is no longer running")
-    attempt.state, attempt.ended_at, attempt.result = new, now, result
     for member in active_members(session, attempt.id):
         end_member(session, member, MemberState.LEFT, now)
     logger.info(
@@ -138,6 +115,22 @@ def end_attempt(
         new,
         result,
     )
+
+
+def count_membership_change(session: Session, job_id: int) -> int:
+    """Add one to the job's membership changes atomically; return the new count."""
+    count = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(membership_changes=Job.membership_changes + 1)
+        .returning(Job.membership_changes)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    job = session.get(Job, job_id)
+    if job is not None:
+        job.membership_changes = count
+        session.flush()
+    return int(count)
 
 
 def drop_member(
@@ -169,7 +162,7 @@ def entrypoint_for(spec: JobSpec) -> Entrypoint:
 
 
 def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> Assignment:
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.job_spec
     return Assignment(
         attempt_id=attempt.id,
         job_id=job.id,

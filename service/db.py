@@ -16,6 +16,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.errors import StaleState
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -127,8 +129,6 @@ def retry_on_stale(
 ) -> T:
     """Run ``work`` in a transaction; run it again, in a new one, if it lost a
     compare-and-set to a concurrent writer. The last ``StaleState`` propagates."""
-    from service.errors import StaleState
-
     for attempt in range(attempts):
         try:
             with transaction(factory) as session:

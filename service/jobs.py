@@ -18,10 +18,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.interfaces import ORMOption
 
+from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
+from service.events import add_event
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
-from service.schemas import JobSpec, parse_nnodes
-from service.states import JOB_TRANSITIONS, TERMINAL_JOB_STATES, JobState, check_transition
+from service.spec import JobSpec, parse_nnodes
+from service.states import TERMINAL_JOB_STATES, JobState
+from service.transitions import transition
 
 logger = logging.getLogger(__name__)
 
@@ -171,24 +174,15 @@ def change_job_state(
     when the row's state is no longer the one ``job`` was read with.
     """
     old = job.state
-    check_transition(JOB_TRANSITIONS, old, new)
-    values: dict[str, Any] = {"state": new, "updated_at": now}
+    values: dict[str, Any] = {"updated_at": now}
     if message is not None:
         values["message"] = message
     if new is JobState.RUNNING and job.started_at is None:
         values["started_at"] = now
     if new.is_terminal():
         values["finished_at"] = now
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.state == old)
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not transition(session, job, new, **values):
         raise StaleState(f"job {job.id} is no longer {old}")
-    for key, value in values.items():
-        setattr(job, key, value)
     logger.info("job=%s state %s -> %s", job.id, old, new)
 
 
@@ -215,60 +209,17 @@ def explain_waiting(
     add_event(session, job.id, "waiting", reason, now)
 
 
-def count_membership_change(session: Session, job_id: int) -> int:
-    """Add one to the job's membership changes atomically; return the new count."""
-    count = session.execute(
-        update(Job)
-        .where(Job.id == job_id)
-        .values(membership_changes=Job.membership_changes + 1)
-        .returning(Job.membership_changes)
-        .execution_options(synchronize_session=False)
-    ).scalar_one()
-    job = session.get(Job, job_id)
-    if job is not None:
-        job.membership_changes = count
-        session.flush()
-    return int(count)
-
-
 def cancel_job(session: Session, job_id: int, viewer: User, now: datetime) -> Job:
     """Cancel a job; cancelling a job that already ended changes nothing."""
     job = job_for(session, job_id, viewer, for_update=True)
     if job.state.is_terminal():
         return job
     change_job_state(session, job, JobState.CANCELLED, now, message=f"cancelled by {viewer.name}")
-    from service.attempts import end_attempt, running_attempt  # avoid an import cycle
-
     attempt = running_attempt(session, job.id)
     if attempt is not None:
         end_attempt(session, attempt, "STOPPED", now, "job cancelled")
     add_event(session, job.id, "cancelled", "job cancelled; its nodes stop its processes", now)
     return job
-
-
-def add_event(
-    session: Session,
-    job_id: int,
-    kind: str,
-    message: str,
-    now: datetime,
-    *,
-    attempt_id: int | None = None,
-    node_id: int | None = None,
-    data: dict[str, Any] | None = None,
-) -> None:
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            attempt_id=attempt_id,
-            node_id=node_id,
-            time=now,
-            kind=kind,
-            message=message,
-            data=data or {},
-        )
-    )
-    logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
 
 
 Row = TypeVar("Row", JobEvent, Metric, LogEntry)

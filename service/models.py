@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import cached_property
 from typing import Any, ClassVar
 
 from sqlalchemy import (
@@ -22,6 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
 
 # SQLite keeps integer primary keys only as INTEGER; other databases get BIGINT.
@@ -134,6 +136,12 @@ class Job(Base):
     attempts: Mapped[list[Attempt]] = relationship(
         back_populates="job", order_by="Attempt.number", cascade="all, delete-orphan"
     )
+
+    @cached_property
+    def job_spec(self) -> JobSpec:
+        """``spec`` as a ``JobSpec``, parsed once per loaded row (a job's spec never
+        changes after submit). Shared by every reader of the row: do not modify it."""
+        return JobSpec.model_validate(self.spec)
 
 
 class Attempt(Base):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from service.attempts import assignment_for, drop_member
-from service.errors import NotFound
+from service.errors import NotFound, StaleState
 from service.models import Attempt, AttemptMember, Node
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
+from service.transitions import transition
 from worker.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,9 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
     left running) or when the controller forgot it, so any membership its name
     still holds is over.
     """
-    node = session.scalars(select(Node).where(Node.name == body.name)).one_or_none()
+    node = session.scalars(
+        select(Node).where(Node.name == body.name).with_for_update()
+    ).one_or_none()
     if node is None:
         node = Node(
             name=body.name,
@@ -42,8 +45,10 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
         return node
     for member in memberships(session, node.id):
         drop_member(session, member, now, "its agent restarted")
+    if node.state is not NodeState.ALIVE and not transition(session, node, NodeState.ALIVE):
+        raise StaleState(f"node {node.id} is no longer {node.state}")
     node.address, node.slots, node.pid = body.address, body.slots, body.pid
-    node.state, node.registered_at, node.last_heartbeat_at = NodeState.ALIVE, now, now
+    node.registered_at, node.last_heartbeat_at = now, now
     logger.info("node=%s registered again name=%s", node.id, node.name)
     return node
 
@@ -62,8 +67,12 @@ def memberships(session: Session, node_id: int) -> list[AttemptMember]:
     return list(session.scalars(stmt))
 
 
-def get_node(session: Session, node_id: int) -> Node:
-    node = session.get(Node, node_id)
+def get_node(session: Session, node_id: int, *, for_update: bool = False) -> Node:
+    """The node, read afresh and locked with ``for_update``; ``NotFound`` if there is none."""
+    if for_update:
+        node = session.get(Node, node_id, with_for_update=True, populate_existing=True)
+    else:
+        node = session.get(Node, node_id)
     if node is None:
         raise NotFound(f"node {node_id} is not registered")
     return node
@@ -76,16 +85,15 @@ def heartbeat(
     settings: ControllerSettings,
     now: datetime,
 ) -> HeartbeatReply:
-    """Record that the node lives and answer with everything it must run now."""
-    node = get_node(session, node_id)
-    session.execute(
-        update(Node)
-        .where(Node.id == node_id)
-        .values(last_heartbeat_at=now, state=NodeState.ALIVE)
-        .execution_options(synchronize_session=False)
-    )
+    """Record that the node lives (a LOST node is ALIVE again) and answer with
+    everything it must run now."""
+    node = get_node(session, node_id, for_update=True)
     if node.state is NodeState.LOST:
+        if not transition(session, node, NodeState.ALIVE, last_heartbeat_at=now):
+            raise StaleState(f"node {node.id} is no longer {node.state}")
         logger.info("node=%s name=%s is back", node.id, node.name)
+    else:
+        node.last_heartbeat_at = now
     return HeartbeatReply(assignments=assignments_for(session, node_id, settings))
 
 
@@ -117,8 +125,7 @@ def list_nodes(
 def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:
     """ALIVE → LOST at once, for an agent that says it is stopping: the other members
     re-form without waiting out the heartbeat timeout. The node comes back by registering."""
-    get_node(session, node_id)
-    if not _lose(session, node_id, now, reason):
+    if not _lose(session, get_node(session, node_id), now, reason):
         return False
     logger.info("node=%s left: %s", node_id, reason)
     return True
@@ -126,24 +133,23 @@ def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:
 
 def mark_lost(session: Session, node_id: int, seen_before: datetime, now: datetime) -> bool:
     """ALIVE → LOST, only if no heartbeat arrived since ``seen_before`` (compare-and-set)."""
-    if not _lose(session, node_id, now, "no heartbeat", Node.last_heartbeat_at <= seen_before):
+    node = session.get(Node, node_id)
+    if node is None or not _lose(
+        session, node, now, "no heartbeat", Node.last_heartbeat_at <= seen_before
+    ):
         return False
     logger.warning("node=%s lost: no heartbeat since %s", node_id, seen_before)
     return True
 
 
 def _lose(
-    session: Session, node_id: int, now: datetime, why: str, *still: ColumnElement[bool]
+    session: Session, node: Node, now: datetime, why: str, *still: ColumnElement[bool]
 ) -> bool:
     """ALIVE → LOST if the row is still ALIVE (and ``still`` holds); end its memberships."""
-    result = session.execute(
-        update(Node)
-        .where(Node.id == node_id, Node.state == NodeState.ALIVE, *still)
-        .values(state=NodeState.LOST)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if node.state is not NodeState.ALIVE or not transition(
+        session, node, NodeState.LOST, also_where=still
+    ):
         return False
-    for member in memberships(session, node_id):
+    for member in memberships(session, node.id):
         drop_member(session, member, now, why)
     return True

@@ -21,24 +21,20 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.attempts import (
     active_members,
     add_member,
+    count_membership_change,
     create_attempt,
     end_attempt,
     running_attempt,
 )
 from service.db import transaction
 from service.errors import StaleState
-from service.jobs import (
-    add_event,
-    change_job_state,
-    count_membership_change,
-    explain_waiting,
-    get_job,
-)
+from service.events import add_event
+from service.jobs import change_job_state, explain_waiting, get_job
 from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
-from service.schemas import JobSpec
 from service.settings import ControllerSettings
+from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
 
 logger = logging.getLogger(__name__)
@@ -57,15 +53,12 @@ class JobView:
     id: int
     state: JobState
     created_at: datetime
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
+    spec: JobSpec
     attempt_id: int | None = None
     members: tuple[int, ...] = ()
     former_members: tuple[int, ...] = ()  # left the running attempt; never re-added to it
     waiting_since: datetime | None = None
     not_before: datetime | None = None
-    wait_for_nodes: timedelta = timedelta(minutes=10)
     message: str = ""
 
 
@@ -126,9 +119,9 @@ def _waiting_reason(job: JobView, free: int, busy: int, too_small: int) -> str:
 
     The text depends only on these counts, so it changes only when the cluster does.
     """
-    needs = f"needs {job.min_nodes}"
-    if job.nproc_per_node > 1:
-        needs += f" with {job.nproc_per_node} slots each"
+    needs = f"needs {job.spec.min_nodes}"
+    if job.spec.nproc_per_node > 1:
+        needs += f" with {job.spec.nproc_per_node} slots each"
     if free + busy + too_small == 0:
         return f"waiting for nodes: {needs}, no node is alive"
     counts = [f"{free} {'is' if free == 1 else 'are'} free"]
@@ -137,7 +130,7 @@ def _waiting_reason(job: JobView, free: int, busy: int, too_small: int) -> str:
     reason = f"waiting for nodes: {needs}, {' and '.join(counts)}"
     if too_small:
         nodes = "node has" if too_small == 1 else "nodes have"
-        reason += f"; {too_small} more alive {nodes} fewer than {job.nproc_per_node} slots"
+        reason += f"; {too_small} more alive {nodes} fewer than {job.spec.nproc_per_node} slots"
     return reason
 
 
@@ -175,7 +168,7 @@ def plan(
         if not job.state.is_active() or job.attempt_id is None:
             continue
         remaining = [m for m in job.members if m in alive_ids]
-        if len(remaining) < job.min_nodes:
+        if len(remaining) < job.spec.min_nodes:
             actions.append(WaitForNodes(job.id, job.attempt_id))
             continue
         busy.update(remaining)
@@ -185,7 +178,7 @@ def plan(
     pending: list[JobView] = []
     for job in sorted(jobs, key=lambda j: (j.created_at, j.id)):
         if job.state is JobState.WAITING and job.waiting_since is not None:
-            if now - job.waiting_since > job.wait_for_nodes:
+            if now - job.waiting_since > timedelta(seconds=job.spec.wait_for_nodes_s):
                 actions.append(GiveUpWaiting(job.id, job.waiting_since))
                 continue
             if job.not_before is not None and now < job.not_before:
@@ -193,14 +186,14 @@ def plan(
         if job.state.is_placeable():
             pending.append(job)
     for job in pending:
-        fitting = [n.id for n in free if n.slots >= job.nproc_per_node]
-        if len(fitting) >= job.min_nodes:
-            chosen = tuple(fitting[: job.max_nodes])
+        fitting = [n.id for n in free if n.slots >= job.spec.nproc_per_node]
+        if len(fitting) >= job.spec.min_nodes:
+            chosen = tuple(fitting[: job.spec.max_nodes])
             actions.append(PlaceJob(job.id, chosen))
             free = [n for n in free if n.id not in chosen]
             continue
         # Nodes placed for an older job in this pass count as busy: they are, next pass.
-        big_enough = sum(1 for n in alive if n.slots >= job.nproc_per_node)
+        big_enough = sum(1 for n in alive if n.slots >= job.spec.nproc_per_node)
         reason = _waiting_reason(
             job,
             free=len(fitting),
@@ -210,9 +203,11 @@ def plan(
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))
     for job, remaining in running:
-        room = job.max_nodes - len(remaining)
+        room = job.spec.max_nodes - len(remaining)
         fitting = [
-            n.id for n in free if n.slots >= job.nproc_per_node and n.id not in job.former_members
+            n.id
+            for n in free
+            if n.slots >= job.spec.nproc_per_node and n.id not in job.former_members
         ]
         if room > 0 and fitting and job.attempt_id is not None:
             chosen = tuple(fitting[:room])
@@ -228,7 +223,6 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
     open_states = [s for s in JobState if not s.is_terminal()]
     jobs: list[JobView] = []
     for job in session.scalars(select(Job).where(Job.state.in_(open_states))):
-        spec = JobSpec.model_validate(job.spec)
         attempt = running_attempt(session, job.id)
         members: tuple[int, ...] = ()
         former: tuple[int, ...] = ()
@@ -240,15 +234,12 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
                 id=job.id,
                 state=job.state,
                 created_at=job.created_at,
-                min_nodes=spec.min_nodes,
-                max_nodes=spec.max_nodes,
-                nproc_per_node=spec.nproc_per_node,
+                spec=job.job_spec,
                 attempt_id=attempt.id if attempt else None,
                 members=members,
                 former_members=former,
                 waiting_since=job.waiting_since,
                 not_before=job.not_before,
-                wait_for_nodes=timedelta(seconds=spec.wait_for_nodes_s),
                 message=job.message,
             )
         )
@@ -407,7 +398,7 @@ class Reconciler:
         attempt = session.get(Attempt, action.attempt_id)
         if attempt is None or attempt.state is not AttemptState.RUNNING:
             raise StaleState(f"attempt {action.attempt_id} is no longer running")
-        spec = JobSpec.model_validate(job.spec)
+        spec = job.job_spec
         live = [m for m in active_members(session, attempt.id) if m.node.state is NodeState.ALIVE]
         if len(live) >= spec.min_nodes:
             raise StaleState(f"attempt {attempt.id} has MIN live members again")
@@ -432,7 +423,7 @@ class Reconciler:
         job = get_job(session, action.job_id, for_update=True)
         if job.state is not JobState.WAITING or job.waiting_since != action.waiting_since:
             raise StaleState(f"job {job.id} is no longer waiting since {action.waiting_since}")
-        spec = JobSpec.model_validate(job.spec)
+        spec = job.job_spec
         why = f"fewer than {spec.min_nodes} nodes for {spec.wait_for_nodes_s:g} s"
         change_job_state(session, job, JobState.FAILED, now, message=why)
         add_event(session, job.id, "failed", f"job failed: {why}", now)

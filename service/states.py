@@ -1,8 +1,8 @@
 """Lifecycles of jobs, attempts and nodes: one enum and one transition table each.
 
-Every change of state goes through ``check_transition``; the database layer
-applies it with compare-and-set on the row's current state, so a stale writer
-cannot overwrite a newer state.
+Every change of state goes through ``service.transitions.transition``: it
+checks the change with ``check_transition`` and writes it with compare-and-set
+on the row's current state, so a stale writer cannot overwrite a newer state.
 """
 
 from __future__ import annotations

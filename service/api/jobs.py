@@ -30,7 +30,6 @@ from service.schemas import (
     JobCreate,
     JobDetail,
     JobPublic,
-    JobSpec,
     JobsPublic,
     LogPublic,
     LogsPublic,
@@ -50,8 +49,7 @@ AfterId = Annotated[
 
 
 def job_public(job: Job, last_snapshot_at: datetime | None = None) -> JobPublic:
-    spec = JobSpec.model_validate(job.spec)
-    spec.env = dict.fromkeys(spec.env, REDACTED)
+    spec = job.job_spec.model_copy(update={"env": dict.fromkeys(job.job_spec.env, REDACTED)})
     return JobPublic(
         id=job.id,
         name=job.name,

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from service.api.jobs import job_public
+from service.models import Job
 from service.reconciler import Reconciler
+from service.schemas import REDACTED
 from service.settings import ControllerSettings
+from service.states import JobState
 
 VALID: dict[str, Any] = {
     "name": "reg",
@@ -137,3 +142,22 @@ def test_openapi_lists_the_routes(api: TestClient) -> None:
     paths = api.get("/openapi.json").json()["paths"]
     for path in ("/api/v1/jobs", "/api/v1/jobs/{job_id}/cancel", "/api/v1/nodes/register"):
         assert path in paths
+
+
+def test_the_spec_is_parsed_once_and_redacted_only_in_the_response() -> None:
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    row = Job(
+        id=1,
+        name="reg",
+        spec={**VALID, "env": {"TOKEN": "s3cret"}},
+        state=JobState.PENDING,
+        created_at=when,
+        updated_at=when,
+        attempt_count=0,
+        restart_count=0,
+        membership_changes=0,
+        message="",
+    )
+    assert row.job_spec is row.job_spec
+    assert job_public(row).spec.env == {"TOKEN": REDACTED}
+    assert row.job_spec.env == {"TOKEN": "s3cret"}  # what the nodes are sent

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from service.demo import DEMO_SPEC, ended_text, job_summary
-from service.schemas import JobSpec
+from service.spec import JobSpec
 
 
 def submitted(spec: dict[str, Any], min_nodes: int, max_nodes: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from service.reconciler import (
     WaitForNodes,
     plan,
 )
+from service.spec import JobSpec, TaskSpec
 from service.states import JobState, NodeState
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -26,6 +27,16 @@ def node(
     id: int, seen: float = 0.0, state: NodeState = NodeState.ALIVE, slots: int = 1
 ) -> NodeView:
     return NodeView(id=id, state=state, last_heartbeat_at=T0 + timedelta(seconds=seen), slots=slots)
+
+
+def spec(nnodes: tuple[int, int], nproc: int = 1) -> JobSpec:
+    return JobSpec(
+        name="j",
+        task=TaskSpec(name="regression"),
+        nnodes=f"{nnodes[0]}:{nnodes[1]}",
+        nproc_per_node=nproc,
+        wait_for_nodes_s=60,
+    )
 
 
 def job(
@@ -43,14 +54,11 @@ def job(
         id=id,
         state=state,
         created_at=T0 + timedelta(seconds=created),
-        min_nodes=nnodes[0],
-        max_nodes=nnodes[1],
-        nproc_per_node=nproc,
+        spec=spec(nnodes, nproc),
         attempt_id=100 + id if state.is_active() else None,
         members=members,
         waiting_since=None if waiting_since is None else T0 + timedelta(seconds=waiting_since),
         not_before=None if not_before is None else T0 + timedelta(seconds=not_before),
-        wait_for_nodes=timedelta(seconds=60),
         message=message,
     )
 
@@ -149,9 +157,7 @@ def test_a_node_that_left_an_attempt_is_not_added_back_to_it() -> None:
         id=1,
         state=JobState.RUNNING,
         created_at=T0,
-        min_nodes=1,
-        max_nodes=3,
-        nproc_per_node=1,
+        spec=spec((1, 3)),
         attempt_id=101,
         members=(1,),
         former_members=(2,),

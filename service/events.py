@@ -1,0 +1,42 @@
+"""A job's timeline: one ``JobEvent`` row for each thing that happened to it.
+
+Every service module that changes a job writes here, so this module imports no
+other service module but the tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from service.models import JobEvent
+
+logger = logging.getLogger(__name__)
+
+
+def add_event(
+    session: Session,
+    job_id: int,
+    kind: str,
+    message: str,
+    now: datetime,
+    *,
+    attempt_id: int | None = None,
+    node_id: int | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
+    session.add(
+        JobEvent(
+            job_id=job_id,
+            attempt_id=attempt_id,
+            node_id=node_id,
+            time=now,
+            kind=kind,
+            message=message,
+            data=data or {},
+        )
+    )
+    logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)

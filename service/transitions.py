@@ -1,0 +1,71 @@
+"""Compare-and-set of a lifecycle state: the one way a job, attempt, member or node changes state.
+
+The change must be in the lifecycle's table (``service.states``), and it is
+written only if the row is still in the state it was read in, so a writer that
+read a row before someone else changed it loses instead of overwriting the
+newer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import ColumnElement, update
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+
+from service.models import Attempt, AttemptMember, Job, Node
+from service.states import (
+    ATTEMPT_TRANSITIONS,
+    JOB_TRANSITIONS,
+    MEMBER_TRANSITIONS,
+    NODE_TRANSITIONS,
+    check_transition,
+)
+
+Stateful = Job | Attempt | AttemptMember | Node
+
+_TABLES: Mapping[type[Stateful], dict[Any, frozenset[Any]]] = {
+    Job: JOB_TRANSITIONS,
+    Attempt: ATTEMPT_TRANSITIONS,
+    AttemptMember: MEMBER_TRANSITIONS,
+    Node: NODE_TRANSITIONS,
+}
+
+
+def transition(
+    session: Session,
+    row: Stateful,
+    new: StrEnum,
+    *,
+    also_where: Iterable[ColumnElement[bool]] = (),
+    **values: Any,
+) -> bool:
+    """Move ``row`` from the state it was read in to ``new``, writing ``values`` with it.
+
+    Raises ``InvalidTransition`` when the row's lifecycle table does not allow
+    the change (checked before anything is written). Returns False, changing
+    nothing, when the row in the database is no longer in that state or does
+    not meet every condition of ``also_where``; True when it was written, and
+    then ``row`` holds the new state and ``values``. The caller decides whether
+    a lost race is an error.
+    """
+    model = type(row)
+    current = row.state
+    if type(new) is not type(current):
+        raise TypeError(f"{model.__name__} has a {type(current).__name__}, not a {new!r}")
+    check_transition(_TABLES[model], current, new)
+    result = session.execute(
+        update(model)
+        .where(model.id == row.id, model.state == current, *also_where)
+        .values(state=new, **values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    # The database holds these values now; the row learns them without writing them again.
+    for key, value in {"state": new, **values}.items():
+        set_committed_value(row, key, value)
+    return True

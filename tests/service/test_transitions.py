@@ -1,0 +1,179 @@
+"""The one compare-and-set of a lifecycle state: through its table, on the state it was read in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
+from service.models import Job, Node
+from service.nodes import heartbeat, leave, mark_lost, register_node
+from service.settings import ControllerSettings
+from service.states import AttemptState, InvalidTransition, JobState, NodeState
+from service.transitions import transition
+from worker.protocol import Heartbeat, NodeRegister
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def factory(db_url: str) -> Iterator[sessionmaker[Session]]:
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+def _add(factory: sessionmaker[Session], row: Job | Node) -> int:
+    with transaction(factory) as session:
+        session.add(row)
+        session.flush()
+        return row.id
+
+
+def _node(factory: sessionmaker[Session], state: NodeState = NodeState.ALIVE) -> int:
+    row = Node(
+        name="n1",
+        address="127.0.0.1",
+        slots=1,
+        pid=1,
+        state=state,
+        registered_at=T0,
+        last_heartbeat_at=T0,
+    )
+    return _add(factory, row)
+
+
+def _job(factory: sessionmaker[Session], state: JobState = JobState.PENDING) -> int:
+    row = Job(
+        name="j",
+        spec={"name": "j", "task": {"name": "regression"}},
+        state=state,
+        created_at=T0,
+        updated_at=T0,
+        attempt_count=0,
+        restart_count=0,
+        membership_changes=0,
+        message="",
+    )
+    return _add(factory, row)
+
+
+def _read_job(factory: sessionmaker[Session], job_id: int) -> Job:
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def test_an_allowed_change_is_written_with_its_values(factory: sessionmaker[Session]) -> None:
+    job_id = _job(factory)
+    later = T0 + timedelta(seconds=5)
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        assert transition(session, job, JobState.RUNNING, started_at=later, message="placed")
+        assert (job.state, job.started_at, job.message) == (JobState.RUNNING, later, "placed")
+        assert not session.is_modified(job)  # written once, by the compare-and-set
+    stored = _read_job(factory, job_id)
+    assert (stored.state, stored.started_at, stored.message) == (JobState.RUNNING, later, "placed")
+
+
+def test_a_change_not_in_the_table_raises_and_writes_nothing(
+    factory: sessionmaker[Session],
+) -> None:
+    job_id = _job(factory, JobState.SUCCEEDED)
+    node_id = _node(factory)
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        node = session.get(Node, node_id)
+        assert job is not None and node is not None
+        with pytest.raises(InvalidTransition, match="JobState cannot go from SUCCEEDED to RUNNING"):
+            transition(session, job, JobState.RUNNING, message="again")
+        with pytest.raises(InvalidTransition, match="NodeState cannot go from ALIVE to ALIVE"):
+            transition(session, node, NodeState.ALIVE)
+        assert (job.state, job.message) == (JobState.SUCCEEDED, "")
+    stored = _read_job(factory, job_id)
+    assert (stored.state, stored.message) == (JobState.SUCCEEDED, "")
+
+
+def test_a_state_of_another_lifecycle_is_refused(factory: sessionmaker[Session]) -> None:
+    job_id = _job(factory, JobState.RUNNING)
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        # AttemptState.SUCCEEDED equals "SUCCEEDED", as JobState.SUCCEEDED does.
+        with pytest.raises(TypeError, match="Job has a JobState"):
+            transition(session, job, AttemptState.SUCCEEDED)
+    assert _read_job(factory, job_id).state is JobState.RUNNING
+
+
+def test_a_stale_state_loses_the_race_and_changes_nothing(
+    factory: sessionmaker[Session],
+) -> None:
+    job_id = _job(factory)
+    stale = _read_job(factory, job_id)  # read as PENDING
+    with transaction(factory) as session:  # another writer moves it first
+        job = session.get(Job, job_id)
+        assert job is not None
+        assert transition(session, job, JobState.RUNNING)
+    with transaction(factory) as session:
+        session.add(stale)
+        assert not transition(session, stale, JobState.CANCELLED, message="stale writer")
+        assert (stale.state, stale.message) == (JobState.PENDING, "")
+    stored = _read_job(factory, job_id)
+    assert (stored.state, stored.message) == (JobState.RUNNING, "")
+
+
+def test_an_extra_condition_that_fails_loses_the_race(factory: sessionmaker[Session]) -> None:
+    node_id = _node(factory)
+    with transaction(factory) as session:
+        node = session.get(Node, node_id)
+        assert node is not None
+        assert not transition(
+            session, node, NodeState.LOST, also_where=[Node.last_heartbeat_at < T0]
+        )
+        assert node.state is NodeState.ALIVE
+        assert transition(session, node, NodeState.LOST, also_where=[Node.last_heartbeat_at <= T0])
+        assert node.state is NodeState.LOST
+    with transaction(factory) as session:
+        stored = session.get(Node, node_id)
+        assert stored is not None and stored.state is NodeState.LOST
+
+
+def _read_node(factory: sessionmaker[Session], node_id: int) -> Node:
+    with transaction(factory) as session:
+        node = session.get(Node, node_id)
+        assert node is not None
+        return node
+
+
+def test_a_node_changes_state_only_along_its_lifecycle(
+    factory: sessionmaker[Session], settings: ControllerSettings
+) -> None:
+    node_id = _node(factory, NodeState.LOST)
+    t1, t2, t3 = (T0 + timedelta(seconds=s) for s in (1, 2, 3))
+    with transaction(factory) as session:  # a heartbeat brings a LOST node back
+        heartbeat(session, node_id, Heartbeat(), settings, t1)
+    node = _read_node(factory, node_id)
+    assert (node.state, node.last_heartbeat_at) == (NodeState.ALIVE, t1)
+    with transaction(factory) as session:  # a heartbeat of an ALIVE node keeps it ALIVE
+        heartbeat(session, node_id, Heartbeat(), settings, t2)
+    node = _read_node(factory, node_id)
+    assert (node.state, node.last_heartbeat_at) == (NodeState.ALIVE, t2)
+    with transaction(factory) as session:  # heard from at t2: not lost for silence before t1
+        assert not mark_lost(session, node_id, seen_before=t1, now=t3)
+    with transaction(factory) as session:
+        assert leave(session, node_id, "stopping", t3)
+        assert not leave(session, node_id, "stopping", t3)  # LOST already
+        assert not mark_lost(session, node_id, seen_before=t3, now=t3)
+    assert _read_node(factory, node_id).state is NodeState.LOST
+    again = NodeRegister(name="n1", address="10.0.0.2", slots=2, pid=2)
+    for _ in range(2):  # registering brings it back, and keeps it ALIVE
+        with transaction(factory) as session:
+            assert register_node(session, again, t3).id == node_id
+        node = _read_node(factory, node_id)
+        assert (node.state, node.address, node.slots) == (NodeState.ALIVE, "10.0.0.2", 2)
