@@ -16,8 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.worker.test_runtime_snapshot import make_snapshot
-from tests.worker.test_runtime_trainer import assert_same_state, final_state, train
+from tests.worker.helpers import assert_same_state, final_state, make_snapshot, train
 from worker.runtime import saver as saver_module
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker.helpers import make_snapshot
 from worker.runtime import snapshot as snapshot_module
 from worker.runtime import storage as storage_module
 from worker.runtime.rng import RngState
@@ -27,25 +28,6 @@ from worker.runtime.snapshot import (
     manifest_name,
     save_snapshot,
 )
-
-
-def make_snapshot(step: int) -> Snapshot:
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(4, 3)).sum().backward()
-    optimizer.step()
-    return Snapshot(
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        step=step,
-        epoch=step // 10,
-        samples_consumed=(step % 10) * 8,
-        world_size=2,
-        seed=11,
-        rng=RngState.capture(),
-        scheduler_state={"last_epoch": step},
-        extra={"attempt_id": "7"},
-    )
 
 
 def steps_in(directory: Path | str) -> list[int]:
@@ -232,7 +214,7 @@ def test_failed_write_leaves_previous_snapshot(
 CRASH_AT = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from tests.worker.test_runtime_snapshot import make_snapshot
+from tests.worker.helpers import make_snapshot
 from worker.runtime.snapshot import save_snapshot
 
 def fault(point, step):
