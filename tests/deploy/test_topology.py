@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 from tests.deploy.compose import load_compose
 from tests.e2e.helpers import (
     POLL_S,

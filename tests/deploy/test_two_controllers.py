@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 from tests.e2e.helpers import POLL_S, dump_logs
 from tests.helpers import wait_for
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
+from service.local_cluster import LocalCluster
 from tests.e2e.helpers import running_cluster
 
 

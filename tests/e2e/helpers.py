@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 from tests.helpers import wait_for
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
+from service.local_cluster import LocalCluster
 from tests.e2e.helpers import POLL_S, regression_spec, wait_no_processes, wait_terminal
 from tests.helpers import wait_for
 

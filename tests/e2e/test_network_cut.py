@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 from tests.e2e.helpers import (
     NODE_TIMEOUT_S,
     POLL_S,

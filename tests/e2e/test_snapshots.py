@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
+from service.local_cluster import LocalCluster
 from tests.e2e.helpers import (
     POLL_S,
     regression_spec,

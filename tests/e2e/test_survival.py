@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
+from service.local_cluster import LocalCluster
 from tests.e2e.helpers import (
     NODE_TIMEOUT_S,
     POLL_S,

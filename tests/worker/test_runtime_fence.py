@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.demo import free_port
+from service.local_cluster import free_port
 from worker.runtime.fence import SnapshotFenced, WriterToken, fence_key, writer_token_from_environ
 from worker.runtime.rng import RngState
 from worker.runtime.snapshot import Snapshot, list_snapshots, save_snapshot
