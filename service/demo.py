@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from service.client import ApiError
 from service.local_cluster import LocalCluster, free_port
+from service.timeline import print_timeline
 
 DEMO_SPEC: dict[str, Any] = {
     "name": "demo-charlm",
@@ -99,9 +100,7 @@ def _drive(console: Console, cluster: LocalCluster, keep_running: bool) -> int:
                 time.sleep(0.3)
         events = client.events(job_id)
         metrics = client.metrics(job_id)
-    from service.cli import print_timeline
-
-    print_timeline(events)
+    print_timeline(console, events)
     _print_figures(console, job, submitted_at, killed_at, metrics)
     if keep_running:
         _serve_until_interrupted(console, cluster, job_id)
