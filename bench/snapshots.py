@@ -38,8 +38,8 @@ from torch.utils.data import TensorDataset
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
-from worker.runtime.snapshot import Snapshot, load_latest_snapshot, save_snapshot
-from worker.runtime.state import capture_state
+from worker.runtime.snapshot import TrainingState, load_latest_snapshot, save_snapshot
+from worker.runtime.state_capture import capture_state
 from worker.runtime.trainer import Trainer
 
 console = Console()
@@ -108,7 +108,7 @@ def run(mode: str, steps: int, every: int, directory: Path) -> float:
     return (steps - WARMUP_STEPS) / (times[steps] - times[WARMUP_STEPS])
 
 
-def state_snapshot() -> Snapshot:
+def state_snapshot() -> TrainingState:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model(torch.randn(4, INPUTS)).sum().backward()

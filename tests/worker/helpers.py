@@ -11,9 +11,9 @@ from torch import nn
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
+from worker.runtime.model_prep import seed_everything
 from worker.runtime.rng import RngState
-from worker.runtime.setup import seed_everything
-from worker.runtime.snapshot import Snapshot
+from worker.runtime.snapshot import TrainingState
 from worker.runtime.trainer import Trainer, TrainResult
 from worker.tasks import spirals
 
@@ -58,12 +58,12 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
 
 
-def make_snapshot(step: int) -> Snapshot:
+def make_snapshot(step: int) -> TrainingState:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
-    return Snapshot(
+    return TrainingState(
         model_state=model.state_dict(),
         optimizer_state=optimizer.state_dict(),
         step=step,

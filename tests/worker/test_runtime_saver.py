@@ -21,10 +21,10 @@ from worker.runtime import saver as saver_module
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.fence import SnapshotFenced
+from worker.runtime.model_prep import seed_everything
 from worker.runtime.saver import SnapshotSaver, copy_off
-from worker.runtime.setup import seed_everything
 from worker.runtime.snapshot import Manifest, list_snapshots, load_latest_snapshot
-from worker.runtime.state import capture_state, restore_state
+from worker.runtime.state_capture import capture_state, restore_state
 from worker.runtime.trainer import Trainer
 from worker.tasks import regression
 

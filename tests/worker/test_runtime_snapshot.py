@@ -22,7 +22,7 @@ from worker.runtime.rng import RngState
 from worker.runtime.snapshot import (
     FAULT_POINTS,
     Manifest,
-    Snapshot,
+    TrainingState,
     list_snapshots,
     load_latest_snapshot,
     manifest_name,
@@ -34,7 +34,7 @@ def steps_in(directory: Path | str) -> list[int]:
     return [step for step, _ in list_snapshots(directory)]
 
 
-def load(location: Path | str) -> tuple[Snapshot | None, list[tuple[int, str]]]:
+def load(location: Path | str) -> tuple[TrainingState | None, list[tuple[int, str]]]:
     """The loaded snapshot and the (step, reason) of each one skipped."""
     skipped: list[tuple[int, str]] = []
     found = load_latest_snapshot(location, on_skip=lambda step, why: skipped.append((step, why)))
@@ -69,7 +69,7 @@ def test_data_file_is_plain_data_for_weights_only(tmp_path: Path) -> None:
     manifest = save_snapshot(tmp_path, make_snapshot(3))
     payload = torch.load(tmp_path / manifest.file, weights_only=True, map_location="cpu")
     assert isinstance(payload, dict)
-    assert Snapshot.from_payload(payload).step == 3
+    assert TrainingState.from_payload(payload).step == 3
 
 
 def test_keeps_the_newest(tmp_path: Path) -> None:
@@ -274,7 +274,7 @@ def test_snapshot_rejects_bad_progress(field: str, value: int) -> None:
     payload = snapshot.to_payload()
     payload[field] = value
     with pytest.raises(ValueError, match=field):
-        Snapshot.from_payload(payload)
+        TrainingState.from_payload(payload)
 
 
 def test_host_tag_keeps_temp_names_parseable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from tests.worker.helpers import SEED, assert_same_state, final_state, train
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
-from worker.runtime.setup import seed_everything
+from worker.runtime.model_prep import seed_everything
 from worker.runtime.snapshot import list_snapshots, manifest_name
 from worker.runtime.trainer import Trainer
 from worker.tasks import regression, spirals

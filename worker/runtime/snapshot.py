@@ -51,7 +51,7 @@ Location = str | os.PathLike[str] | Storage
 
 
 @dataclass
-class Snapshot:
+class TrainingState:
     """Everything needed to continue training from the end of global step ``step``.
 
     ``step`` counts optimizer steps done in all epochs; ``epoch`` is the epoch the
@@ -99,7 +99,7 @@ class Snapshot:
         }
 
     @classmethod
-    def from_payload(cls, payload: Any) -> Snapshot:
+    def from_payload(cls, payload: Any) -> TrainingState:
         """Rebuild from ``to_payload``'s dict; ``ValueError`` if it is not one."""
         if not isinstance(payload, dict):
             raise ValueError(f"snapshot payload must be a dict, got {type(payload).__name__}")
@@ -191,7 +191,7 @@ class _HashingWriter:
 
 def save_snapshot(
     location: Location,
-    snapshot: Snapshot,
+    snapshot: TrainingState,
     keep: int = 2,
     before_commit: Callable[[], None] | None = None,
     fault: Fault | None = None,
@@ -300,7 +300,7 @@ SkipReporter = Callable[[int, str], None]
 
 def load_latest_snapshot(
     location: Location, on_skip: SkipReporter | None = None
-) -> tuple[Snapshot, Manifest] | None:
+) -> tuple[TrainingState, Manifest] | None:
     """The newest snapshot whose data matches its manifest, or ``None`` if none does.
 
     Candidates are tried newest step first. A snapshot is skipped, with a
@@ -329,7 +329,7 @@ def load_latest_snapshot(
     return None
 
 
-def _read_verified(storage: Storage, manifest: Manifest) -> Snapshot:
+def _read_verified(storage: Storage, manifest: Manifest) -> TrainingState:
     data = storage.read(manifest.file)
     if len(data) != manifest.size:
         raise ValueError(f"size mismatch: {len(data)} bytes on storage, {manifest.size} recorded")
@@ -339,7 +339,7 @@ def _read_verified(storage: Storage, manifest: Manifest) -> Snapshot:
             f"checksum mismatch: sha256 {digest[:12]}..., {manifest.sha256[:12]}... recorded"
         )
     payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    return Snapshot.from_payload(payload)
+    return TrainingState.from_payload(payload)
 
 
 def atomic_torch_save(

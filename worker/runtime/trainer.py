@@ -13,7 +13,7 @@ must hold across a restart (same seed):
 - Every rank runs the same collectives in the same order; rank-0-only code
   (snapshot writes, events, the final model) contains none.
 
-BatchNorm becomes SyncBatchNorm on CUDA only (see ``setup``).
+BatchNorm becomes SyncBatchNorm on CUDA only (see ``model_prep``).
 """
 
 from __future__ import annotations
@@ -37,18 +37,18 @@ from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
 from worker.runtime.events import EventWriter
 from worker.runtime.fence import writer_token_from_environ
-from worker.runtime.progress import beat
-from worker.runtime.sampler import ResumableDistributedSampler, steps_left
-from worker.runtime.saver import SnapshotSaver
-from worker.runtime.setup import (
+from worker.runtime.model_prep import (
     LossFn,
     OptimizerFactory,
     SchedulerFactory,
     prepare_model,
     seed_everything,
 )
+from worker.runtime.progress import beat
+from worker.runtime.sampler import ResumableDistributedSampler, steps_left
+from worker.runtime.saver import SnapshotSaver
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
-from worker.runtime.state import capture_state, restore_state
+from worker.runtime.state_capture import capture_state, restore_state
 from worker.runtime.storage import is_url
 
 __all__ = ["LossFn", "OptimizerFactory", "TrainResult", "Trainer", "TrainerConfig"]

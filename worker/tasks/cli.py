@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.labels import label_from_environ
-from worker.runtime.setup import LossFn, OptimizerFactory, seed_everything
+from worker.runtime.model_prep import LossFn, OptimizerFactory, seed_everything
 from worker.runtime.trainer import Trainer
 from worker.tasks.registry import CommonParams, flag_name, get_task, validate_params
 
