@@ -140,7 +140,7 @@ def io_speeds(directory: Path, repeats: int) -> dict[str, list[float]]:
         target = directory / f"io-{i}"
         started = time.perf_counter()
         manifest = save_snapshot(target, snapshot)
-        size_mb = manifest.size / 1e6
+        size_mb = manifest.size_bytes / 1e6
         speeds["save"].append(size_mb / (time.perf_counter() - started))
 
         started = time.perf_counter()
@@ -151,7 +151,7 @@ def io_speeds(directory: Path, repeats: int) -> dict[str, list[float]]:
         torch.save(snapshot.to_payload(), directory / f"plain-{i}.pt")
         speeds["torch_save"].append(size_mb / (time.perf_counter() - started))
 
-        megabytes = round(manifest.size / (1 << 20))
+        megabytes = round(manifest.size_bytes / (1 << 20))
         started = time.perf_counter()
         raw_write(directory / f"raw-{i}.bin", megabytes)
         speeds["raw"].append(megabytes * (1 << 20) / 1e6 / (time.perf_counter() - started))

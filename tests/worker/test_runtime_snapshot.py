@@ -47,7 +47,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert manifest.step == 12 and manifest.world_size == 2 and manifest.attempt_id == "7"
     assert (tmp_path / manifest_name(12)).is_file()
     data = (tmp_path / manifest.file).read_bytes()
-    assert manifest.size == len(data)
+    assert manifest.size_bytes == len(data)
     assert manifest.sha256 == hashlib.sha256(data).hexdigest()
     found = load_latest_snapshot(tmp_path)
     assert found is not None
@@ -164,6 +164,14 @@ def test_manifest_rejects_what_is_not_one() -> None:
     for bad in (b"[]", b'{"format": 99}', good.to_json().replace(b"0123abcd", b"../../x")):
         with pytest.raises(ValueError):
             Manifest.from_json(bad)
+
+
+def test_the_manifest_file_keeps_its_size_key() -> None:
+    """Manifests written before and after ``Manifest.size_bytes`` read the same."""
+    manifest = Manifest(1, 0, 0, 1, "snapshot-000000001-0123abcd.pt", 10, "a" * 64, "t")
+    stored = json.loads(manifest.to_json())
+    assert stored["size"] == 10 and "size_bytes" not in stored
+    assert Manifest.from_json(json.dumps(stored).encode()).size_bytes == 10
 
 
 def dead_pid() -> int:

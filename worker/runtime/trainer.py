@@ -348,14 +348,15 @@ class Trainer:
             epoch=manifest.epoch,
             world_size=manifest.world_size,
             path=path,
-            bytes=manifest.size,
+            bytes=manifest.size_bytes,
             sha256=manifest.sha256,
             seconds=round(seconds, 3),
             background=background,
         )
         logger.info(
             "snapshot at step %d (epoch %d): %s, %d bytes, sha256 %s, %.2f s%s",
-            *(manifest.step, manifest.epoch, path, manifest.size, manifest.sha256[:12], seconds),
+            *(manifest.step, manifest.epoch, path, manifest.size_bytes, manifest.sha256[:12]),
+            seconds,
             " in the background" if background else "",
         )
 
