@@ -83,7 +83,7 @@ def run(mode: str, steps: int, every: int, directory: Path) -> float:
         snapshot_dir=str(directory),
         snapshot_every_steps=None if mode == "none" else every,
         snapshot_every_epochs=0,
-        snapshot_async=mode == "async",
+        snapshot_background=mode == "async",
         log_every_steps=1,
     )
     events_path = directory.with_suffix(".events.jsonl")

@@ -29,7 +29,7 @@ def test_resume_after_crash_matches_uninterrupted_run(
     crashed = tmp_path / "crashed"
     events = tmp_path / "events.jsonl"
     stopped = train(
-        crashed, events, snapshot_every_steps=4, stop_after_steps=11, snapshot_async=False
+        crashed, events, snapshot_every_steps=4, stop_after_steps=11, snapshot_background=False
     )
     assert not stopped.finished and stopped.step == 11
     assert [s for s, _ in list_snapshots(crashed)] == [8, 11]

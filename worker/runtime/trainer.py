@@ -119,7 +119,7 @@ class Trainer:
         self.saver = SnapshotSaver(
             config.snapshot_dir,
             keep=config.snapshot_keep,
-            background=config.snapshot_async,
+            background=config.snapshot_background,
             before_commit=self._check_writer,
             fault=self._crash_drill,
             on_saved=self._snapshot_saved,

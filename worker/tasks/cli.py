@@ -128,7 +128,7 @@ def trainer_config(
         snapshot_every_steps=args.snapshot_every_steps,
         snapshot_every_epochs=args.snapshot_every_epochs,
         snapshot_keep=args.snapshot_keep,
-        snapshot_async=None if args.snapshot_async is None else bool(args.snapshot_async),
+        snapshot_background=None if args.snapshot_async is None else bool(args.snapshot_async),
         snapshot_crash_at=params.crash_in_save or None,
         snapshot_crash_step=params.crash_in_save_step,
         output_path=args.output,
