@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint postgres browser bench bench-snapshots bench-status clean
+.PHONY: install demo test test-fast lint postgres browser bench bench-snapshots bench-status clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ lint: install
 
 test: install postgres browser lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The inner loop: no lint, no e2e or deploy tests (real processes, PostgreSQL, Chromium),
+# and the database tests on SQLite only; pytest's summary says how many it deselected.
+# `make test` is what CI runs.
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not e2e and not postgres" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m bench.recovery

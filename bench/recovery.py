@@ -28,7 +28,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 
 PROBE = Path(__file__).resolve().parent / "ddp_probe.py"
 SCENARIOS = {

@@ -38,8 +38,8 @@ from torch.utils.data import TensorDataset
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
-from worker.runtime.snapshot import Snapshot, load_latest_snapshot, save_snapshot
-from worker.runtime.state import capture_state
+from worker.runtime.snapshot import TrainingState, load_latest_snapshot, save_snapshot
+from worker.runtime.state_capture import capture_state
 from worker.runtime.trainer import Trainer
 
 console = Console()
@@ -83,7 +83,7 @@ def run(mode: str, steps: int, every: int, directory: Path) -> float:
         snapshot_dir=str(directory),
         snapshot_every_steps=None if mode == "none" else every,
         snapshot_every_epochs=0,
-        snapshot_async=mode == "async",
+        snapshot_background=mode == "async",
         log_every_steps=1,
     )
     events_path = directory.with_suffix(".events.jsonl")
@@ -108,7 +108,7 @@ def run(mode: str, steps: int, every: int, directory: Path) -> float:
     return (steps - WARMUP_STEPS) / (times[steps] - times[WARMUP_STEPS])
 
 
-def state_snapshot() -> Snapshot:
+def state_snapshot() -> TrainingState:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model(torch.randn(4, INPUTS)).sum().backward()
@@ -140,7 +140,7 @@ def io_speeds(directory: Path, repeats: int) -> dict[str, list[float]]:
         target = directory / f"io-{i}"
         started = time.perf_counter()
         manifest = save_snapshot(target, snapshot)
-        size_mb = manifest.size / 1e6
+        size_mb = manifest.size_bytes / 1e6
         speeds["save"].append(size_mb / (time.perf_counter() - started))
 
         started = time.perf_counter()
@@ -151,7 +151,7 @@ def io_speeds(directory: Path, repeats: int) -> dict[str, list[float]]:
         torch.save(snapshot.to_payload(), directory / f"plain-{i}.pt")
         speeds["torch_save"].append(size_mb / (time.perf_counter() - started))
 
-        megabytes = round(manifest.size / (1 << 20))
+        megabytes = round(manifest.size_bytes / (1 << 20))
         started = time.perf_counter()
         raw_write(directory / f"raw-{i}.bin", megabytes)
         speeds["raw"].append(megabytes * (1 << 20) / 1e6 / (time.perf_counter() - started))

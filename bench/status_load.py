@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 
 console = Console()
 JOB = {

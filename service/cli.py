@@ -22,6 +22,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from service.client import ApiError, RelaunchClient
+from service.demo import run_demo
+from service.timeline import print_timeline
 from worker.runtime.labels import log_label
 from worker.settings import DEFAULT_CONTROLLER_URL
 from worker.tasks.registry import TASKS
@@ -415,14 +417,6 @@ def jobs(
     console.print(f"{len(page['items'])} of {page['total']} job(s)")
 
 
-def print_timeline(events: list[dict[str, Any]]) -> None:
-    table = Table("time", "event", "what happened", title="timeline")
-    for event in events:
-        # Messages quote workers' errors, which may hold "[...]"; print them as text.
-        table.add_row(event["time"][11:23], event["kind"], escape(event["message"]))
-    console.print(table)
-
-
 @app.command()
 def status(
     job_id: JobIdArgument,
@@ -443,7 +437,7 @@ def status(
     for attempt in job["attempts"]:
         nodes = ", ".join(f"{m['node_name']}({m['state'].lower()})" for m in attempt["members"])
         console.print(f"  attempt {attempt['number']} {attempt['state']}: {nodes}")
-    print_timeline(events)
+    print_timeline(console, events)
 
 
 def log_line_label(line: dict[str, Any]) -> str:
@@ -606,8 +600,6 @@ def demo(
 
     Without --keep-running, the controller and agents stop when the demo ends.
     """
-    from service.demo import run_demo
-
     raise typer.Exit(code=run_demo(console, port=port, keep_running=keep_running))
 
 

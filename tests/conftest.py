@@ -1,47 +1,33 @@
-"""Fixtures shared by every test: databases (SQLite and PostgreSQL) and a movable clock."""
+"""Fixtures shared by every test: databases (SQLite and PostgreSQL) and a movable clock;
+and the markers that ``make test-fast`` leaves out.
+
+Every test under ``tests/e2e`` and ``tests/deploy`` is marked ``e2e`` (real processes, or
+the deployment), and every test that needs PostgreSQL is marked ``postgres``: the
+PostgreSQL half of ``db_url`` and whatever uses ``pg_database``.
+"""
 
 from __future__ import annotations
 
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 
+from tests.helpers import FakeClock
+
 PG_ADMIN_URL = os.environ.get("RELAUNCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+E2E_DIRS = (Path(__file__).parent / "e2e", Path(__file__).parent / "deploy")
 
 
-def wait_for(
-    what: str, predicate: Callable[[], Any], timeout_s: float = 40.0, interval_s: float = 0.1
-) -> Any:
-    """Poll ``predicate`` until it returns something true, and return that;
-    fail the test with ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
-class FakeClock:
-    """A clock that moves only when told to."""
-
-    def __init__(self, start: datetime | None = None) -> None:
-        self.now = start or datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.path.is_relative_to(d) for d in E2E_DIRS):
+            item.add_marker(pytest.mark.e2e)
+        if "pg_database" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture
@@ -67,7 +53,7 @@ def pg_database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Each database test runs once on SQLite and once on PostgreSQL."""
     if request.param == "sqlite":

@@ -17,8 +17,8 @@ from fastapi_offline import FastAPIOffline
 
 from service import auth
 from service.api import health, jobs, nodes, users
+from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
-from service.api.limits import BodyLimit
 from service.db import (
     make_engine,
     make_read_engine,

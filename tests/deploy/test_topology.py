@@ -20,10 +20,9 @@ from typing import Any
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
-from tests.conftest import wait_for
+from service.local_cluster import LocalCluster, free_port
 from tests.deploy.compose import load_compose
-from tests.e2e.conftest import (
+from tests.e2e.helpers import (
     POLL_S,
     assert_trained,
     dump_logs,
@@ -32,6 +31,7 @@ from tests.e2e.conftest import (
     wait_terminal,
     wait_world_size,
 )
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

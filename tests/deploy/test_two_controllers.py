@@ -12,9 +12,9 @@ import httpx
 import psutil
 import pytest
 
-from service.demo import LocalCluster, free_port
-from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, dump_logs
+from service.local_cluster import LocalCluster, free_port
+from tests.e2e.helpers import POLL_S, dump_logs
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 LEASE_S = 2.0

@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster, free_port
-from tests.conftest import wait_for
-
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
-POLL_S = 0.3  # between polls of the controller or the process table
-
-
-@contextlib.contextmanager
-def running_cluster(
-    data: Path,
-    agents: tuple[str, ...] = (),
-    snapshot_root: Path | None = None,
-    controller_env: dict[str, str] | None = None,
-) -> Iterator[LocalCluster]:
-    """A controller and ``agents``, stopped (and their logs printed) on the way out."""
-    c = LocalCluster(
-        data_dir=data, port=free_port(), store_port=free_port(), snapshot_root=snapshot_root
-    )
-    try:
-        c.start_controller(controller_env)
-        for name in agents:
-            c.start_agent(name)
-        c.wait_nodes(len(agents))
-        yield c
-    finally:
-        c.stop_all()
-        dump_logs(data)
+from service.local_cluster import LocalCluster
+from tests.e2e.helpers import running_cluster
 
 
 @pytest.fixture(scope="module")
@@ -45,91 +17,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def dump_logs(data: Path) -> None:
-    """Keep the processes' logs visible in a failing run's output."""
-    for log in sorted(data.glob("*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-40:]
-        print(f"----- {log.name} -----\n" + "\n".join(tail))
-
-
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[RelaunchClient]:
     with cluster.client() as c:
         yield c
-
-
-def wait_terminal(client: RelaunchClient, job_id: int, timeout_s: float = 240) -> dict[str, Any]:
-    with dumped_on_failure(client, job_id):
-        job: dict[str, Any] = wait_for(
-            f"job {job_id} to end",
-            lambda: (j := client.job(job_id))["state"] in TERMINAL and j,
-            timeout_s,
-            POLL_S,
-        )
-    return job
-
-
-@contextlib.contextmanager
-def dumped_on_failure(client: RelaunchClient, job_id: int) -> Iterator[None]:
-    """Print the job's state, events and log tail if the block fails an assertion."""
-    try:
-        yield
-    except AssertionError:
-        dump_job(client, job_id)
-        raise
-
-
-def dump_job(client: RelaunchClient, job_id: int, lines: int = 60) -> None:
-    """Print a job's state, events and the tail of its logs, to explain a failing wait."""
-    print(f"----- job {job_id} -----\n{client.job(job_id)}")
-    for event in client.events(job_id):
-        print(f"{event['time']} {event['kind']} node={event['node_id']} {event['data']}")
-    for entry in client.logs(job_id)[-lines:]:
-        print(f"{entry['time']} node={entry['node_id']} {entry['stream']}: {entry['line']}")
-
-
-def wait_no_processes(cluster: LocalCluster, job_id: int, timeout_s: float = 15) -> None:
-    wait_for(
-        f"no process of job {job_id}", lambda: not cluster.job_processes(job_id), timeout_s, POLL_S
-    )
-
-
-def regression(name: str, nnodes: str, **extra: Any) -> dict[str, Any]:
-    params = {
-        "epochs": 3,
-        "samples": 1024,
-        "batch_size": 32,
-        "seed": 5,
-        "step_delay": 0.1,
-        "log_every_steps": 2,
-        **extra.pop("params", {}),
-    }
-    return {
-        "name": name,
-        "task": {"name": "regression", "params": params},
-        "nnodes": nnodes,
-        "max_restarts": 3,
-        "snapshot": {"every_steps": 5},
-        **extra,
-    }
-
-
-def wait_world_size(client: RelaunchClient, job_id: int, size: int, after_step: int = 0) -> None:
-    """Until rank 0 reports a training step past ``after_step`` at world size ``size``."""
-    with dumped_on_failure(client, job_id):
-        wait_for(
-            f"job {job_id} training at world size {size}",
-            lambda: any(
-                m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
-            ),
-            120,
-            POLL_S,
-        )
-
-
-def assert_trained(client: RelaunchClient, job: dict[str, Any]) -> None:
-    assert job["state"] == "SUCCEEDED", job
-    metrics = client.metrics(job["id"])
-    assert job["last_step"] == job["total_steps"]  # from the training_finished event
-    first_loss = metrics[0]["loss"]
-    assert job["last_loss"] is not None and job["last_loss"] < first_loss / 10, metrics

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from service.cli import app
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -19,9 +19,9 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
-from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, regression, running_cluster
+from service.local_cluster import LocalCluster
+from tests.e2e.helpers import POLL_S, regression, running_cluster
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -5,38 +5,17 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
-from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, wait_no_processes, wait_terminal
+from service.local_cluster import LocalCluster
+from tests.e2e.helpers import POLL_S, regression_spec, wait_no_processes, wait_terminal
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-
-
-def regression_spec(name: str, step_delay: float) -> dict[str, Any]:
-    return {
-        "name": name,
-        "task": {
-            "name": "regression",
-            "params": {
-                "epochs": 4,
-                "samples": 1024,
-                "batch_size": 32,
-                "seed": 11,
-                "step_delay": step_delay,
-                "log_every_steps": 2,
-            },
-        },
-        "nnodes": "2:2",
-        "max_restarts": 3,
-        "snapshot": {"every_steps": 8},
-    }
 
 
 def final_model(cluster: LocalCluster, job_id: int) -> dict[str, torch.Tensor]:

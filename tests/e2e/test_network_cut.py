@@ -15,10 +15,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.demo import LocalCluster, free_port
-from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, dump_logs, wait_no_processes, wait_terminal
-from tests.e2e.test_survival import NODE_TIMEOUT_S, assert_trained, regression, wait_world_size
+from service.local_cluster import LocalCluster, free_port
+from tests.e2e.helpers import (
+    NODE_TIMEOUT_S,
+    POLL_S,
+    assert_trained,
+    dump_logs,
+    regression,
+    wait_no_processes,
+    wait_terminal,
+    wait_world_size,
+)
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 

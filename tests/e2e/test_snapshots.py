@@ -19,10 +19,15 @@ import psutil
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
-from tests.conftest import wait_for
-from tests.e2e.conftest import POLL_S, running_cluster, wait_no_processes, wait_terminal
-from tests.e2e.test_job_survives import regression_spec
+from service.local_cluster import LocalCluster
+from tests.e2e.helpers import (
+    POLL_S,
+    regression_spec,
+    running_cluster,
+    wait_no_processes,
+    wait_terminal,
+)
+from tests.helpers import wait_for
 from worker.runtime.snapshot import list_snapshots
 
 pytestmark = pytest.mark.e2e

@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from service.client import RelaunchClient
-from service.demo import LocalCluster
-from tests.conftest import wait_for
-from tests.e2e.conftest import (
+from service.local_cluster import LocalCluster
+from tests.e2e.helpers import (
+    NODE_TIMEOUT_S,
     POLL_S,
     assert_trained,
     regression,
@@ -28,9 +28,9 @@ from tests.e2e.conftest import (
     wait_terminal,
     wait_world_size,
 )
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
-NODE_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from service.api.app import FIRST_ADMIN_BANNER, create_app
 from service.db import transaction
 from service.models import ApiToken, Role
 from service.settings import ControllerSettings
-from tests.conftest import FakeClock
-from tests.service.conftest import ENROLMENT_TOKEN, Cluster
-from tests.service.test_node_flow import register, submit
+from tests.helpers import FakeClock
+from tests.service.helpers import ENROLMENT_TOKEN, Cluster, bearer, register, submit
 
 PUBLIC = {("GET", "/healthz")}
 ADMIN_ONLY = {
@@ -50,10 +49,6 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
 def routes(app: Any) -> list[tuple[str, str]]:
     paths = app.openapi()["paths"]
     return sorted((method.upper(), path) for path, ops in paths.items() for method in ops)
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"}
 
 
 class World:

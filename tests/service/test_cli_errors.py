@@ -15,7 +15,7 @@ from typer.testing import CliRunner, Result
 
 from service import cli
 from service.cli import app
-from service.demo import free_port
+from service.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service import cli
+from service.timeline import print_timeline
 
 GLOO_ERROR = (
     "worker rank 1 failed: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
@@ -16,8 +17,9 @@ def test_a_timeline_message_with_brackets_prints_as_it_is(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cli.console.width = 400
-    cli.print_timeline(
-        [{"time": "2026-11-22T18:00:00.000000", "kind": "worker_failed", "message": GLOO_ERROR}]
+    print_timeline(
+        cli.console,
+        [{"time": "2026-11-22T18:00:00.000000", "kind": "worker_failed", "message": GLOO_ERROR}],
     )
     assert "pair.cc:553] Connection closed by peer [bold]" in capsys.readouterr().out
 

@@ -22,8 +22,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.api.app import create_app
 from service.settings import ControllerSettings
-from tests.service.conftest import ENROLMENT_TOKEN, Cluster
-from tests.service.test_node_flow import register
+from tests.service.helpers import ENROLMENT_TOKEN, Cluster, register
 
 # 25 per route in the suite; RELAUNCH_FUZZ_EXAMPLES=500 for a deeper run.
 EXAMPLES = int(os.environ.get("RELAUNCH_FUZZ_EXAMPLES", "25"))

@@ -16,7 +16,7 @@ from service.models import Attempt, AttemptMember
 from service.reconciler import PlaceJob, Reconciler
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState
-from tests.conftest import FakeClock
+from tests.helpers import FakeClock
 
 LEASE_S = 10.0
 

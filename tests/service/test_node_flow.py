@@ -10,56 +10,8 @@ from fastapi.testclient import TestClient
 
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
-from tests.conftest import FakeClock
-from tests.service.conftest import Cluster
-
-
-def register(api: TestClient, name: str, slots: int = 1) -> int:
-    r = api.post(
-        "/api/v1/nodes/register",
-        json={"name": name, "address": "127.0.0.1", "slots": slots, "pid": 1},
-    )
-    assert r.status_code == 200, r.text
-    node_id: int = r.json()["node_id"]
-    return node_id
-
-
-def heartbeat(api: TestClient, node_id: int) -> list[dict[str, Any]]:
-    r = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
-    assert r.status_code == 200, r.text
-    assignments: list[dict[str, Any]] = r.json()["assignments"]
-    return assignments
-
-
-def submit(api: TestClient, nnodes: str = "2:2", **extra: Any) -> int:
-    spec = {
-        "name": "j",
-        "task": {"name": "regression", "params": {"epochs": 2}},
-        "nnodes": nnodes,
-        "snapshot": {"every_steps": 5},
-        **extra,
-    }
-    r = api.post("/api/v1/jobs", json=spec)
-    assert r.status_code == 201, r.text
-    job_id: int = r.json()["id"]
-    return job_id
-
-
-def event(kind: str, **data: Any) -> dict[str, Any]:
-    return {"time": datetime.now(UTC).isoformat(), "kind": kind, "data": data}
-
-
-def report(api: TestClient, node_id: int, attempt_id: int, **body: Any) -> Any:
-    return api.post(f"/api/v1/nodes/{node_id}/reports", json={"attempt_id": attempt_id, **body})
-
-
-def job(api: TestClient, job_id: int) -> dict[str, Any]:
-    body: dict[str, Any] = api.get(f"/api/v1/jobs/{job_id}").json()
-    return body
-
-
-def kinds(api: TestClient, job_id: int) -> list[str]:
-    return [e["kind"] for e in api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
+from tests.helpers import FakeClock
+from tests.service.helpers import Cluster, event, heartbeat, job, kinds, register, report, submit
 
 
 def test_job_waits_for_min_nodes_then_runs_on_them(api: TestClient, reconciler: Reconciler) -> None:

@@ -13,8 +13,8 @@ from service.jobs import cancel_job, change_job_state, get_job
 from service.models import Job
 from service.reconciler import Reconciler
 from service.states import JobState
-from tests.conftest import FakeClock
-from tests.service.conftest import Cluster
+from tests.helpers import FakeClock
+from tests.service.helpers import Cluster
 
 
 def _pending_job(api: TestClient) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.reconciler import Reconciler
-from tests.service.conftest import Cluster
+from tests.service.helpers import Cluster
 from worker.protocol import ReportRefused, StopReason
 
 

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from service.reconciler import Reconciler
-from tests.conftest import FakeClock
-from tests.service.test_node_flow import event, job, kinds, register, report, submit
+from tests.helpers import FakeClock
+from tests.service.helpers import event, job, kinds, register, report, submit
 
 
 def _events(api: TestClient, job_id: int, kind: str) -> list[dict[str, Any]]:

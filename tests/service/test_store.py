@@ -18,7 +18,7 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from service.demo import free_port
+from service.local_cluster import free_port
 from service.settings import ControllerSettings
 from service.store import (
     StoreSupervisor,

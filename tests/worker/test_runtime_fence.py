@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.demo import free_port
+from service.local_cluster import free_port
 from worker.runtime.fence import SnapshotFenced, WriterToken, fence_key, writer_token_from_environ
 from worker.runtime.rng import RngState
-from worker.runtime.snapshot import Snapshot, list_snapshots, save_snapshot
+from worker.runtime.snapshot import TrainingState, list_snapshots, save_snapshot
 
 
 @pytest.fixture
@@ -32,8 +32,8 @@ def _client(port: int) -> dist.TCPStore:
     )
 
 
-def _snapshot(step: int) -> Snapshot:
-    return Snapshot(
+def _snapshot(step: int) -> TrainingState:
+    return TrainingState(
         model_state={"w": torch.zeros(2)},
         optimizer_state={},
         step=step,

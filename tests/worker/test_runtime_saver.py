@@ -16,16 +16,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.worker.test_runtime_snapshot import make_snapshot
-from tests.worker.test_runtime_trainer import assert_same_state, final_state, train
+from tests.worker.helpers import assert_same_state, final_state, make_snapshot, train
 from worker.runtime import saver as saver_module
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.fence import SnapshotFenced
+from worker.runtime.model_prep import seed_everything
 from worker.runtime.saver import SnapshotSaver, copy_off
-from worker.runtime.setup import seed_everything
 from worker.runtime.snapshot import Manifest, list_snapshots, load_latest_snapshot
-from worker.runtime.state import capture_state, restore_state
+from worker.runtime.state_capture import capture_state, restore_state
 from worker.runtime.trainer import Trainer
 from worker.tasks import regression
 
@@ -144,9 +143,9 @@ def test_amp_grad_scaler_state_is_kept() -> None:
 def test_background_snapshots_do_not_change_what_is_trained(
     tmp_path: Path, read_events: Callable[[Path], list[dict[str, Any]]]
 ) -> None:
-    synchronous = train(tmp_path / "sync", snapshot_every_steps=2, snapshot_async=False)
+    synchronous = train(tmp_path / "sync", snapshot_every_steps=2, snapshot_background=False)
     events = tmp_path / "events.jsonl"
-    background = train(tmp_path / "async", events, snapshot_every_steps=2, snapshot_async=True)
+    background = train(tmp_path / "async", events, snapshot_every_steps=2, snapshot_background=True)
     assert_same_state(final_state(background), final_state(synchronous))
     saved = [e["data"] for e in read_events(events) if e["kind"] == "snapshot"]
     assert saved and saved[-1]["step"] == 24
@@ -171,7 +170,7 @@ def test_a_full_disk_leaves_training_going(
 
     monkeypatch.setattr("worker.runtime.snapshot.torch.save", fails_after_two)
     events = tmp_path / "events.jsonl"
-    result = train(tmp_path / "s", events, snapshot_every_steps=2, snapshot_async=False)
+    result = train(tmp_path / "s", events, snapshot_every_steps=2, snapshot_background=False)
     assert result.finished and result.step == 24
     log = read_events(events)
     failed = [e["data"] for e in log if e["kind"] == "snapshot_failed"]
@@ -224,7 +223,7 @@ def test_a_resumed_trainer_restores_its_grad_scaler(tmp_path: Path) -> None:
         dataset, _, _ = regression.make_dataset(64, features=4, noise=0.1)
         config = TrainerConfig(
             max_epochs=2, batch_size=8, lr=0.05, seed=3, snapshot_dir=str(tmp_path),
-            snapshot_async=False, **overrides,
+            snapshot_background=False, **overrides,
         )  # fmt: skip
         return Trainer(
             nn.Linear(4, 1),

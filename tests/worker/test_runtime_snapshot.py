@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker.helpers import make_snapshot
 from worker.runtime import snapshot as snapshot_module
 from worker.runtime import storage as storage_module
 from worker.runtime.rng import RngState
 from worker.runtime.snapshot import (
     FAULT_POINTS,
     Manifest,
-    Snapshot,
+    TrainingState,
     list_snapshots,
     load_latest_snapshot,
     manifest_name,
@@ -29,30 +30,11 @@ from worker.runtime.snapshot import (
 )
 
 
-def make_snapshot(step: int) -> Snapshot:
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(4, 3)).sum().backward()
-    optimizer.step()
-    return Snapshot(
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        step=step,
-        epoch=step // 10,
-        samples_consumed=(step % 10) * 8,
-        world_size=2,
-        seed=11,
-        rng=RngState.capture(),
-        scheduler_state={"last_epoch": step},
-        extra={"attempt_id": "7"},
-    )
-
-
 def steps_in(directory: Path | str) -> list[int]:
     return [step for step, _ in list_snapshots(directory)]
 
 
-def load(location: Path | str) -> tuple[Snapshot | None, list[tuple[int, str]]]:
+def load(location: Path | str) -> tuple[TrainingState | None, list[tuple[int, str]]]:
     """The loaded snapshot and the (step, reason) of each one skipped."""
     skipped: list[tuple[int, str]] = []
     found = load_latest_snapshot(location, on_skip=lambda step, why: skipped.append((step, why)))
@@ -65,7 +47,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert manifest.step == 12 and manifest.world_size == 2 and manifest.attempt_id == "7"
     assert (tmp_path / manifest_name(12)).is_file()
     data = (tmp_path / manifest.file).read_bytes()
-    assert manifest.size == len(data)
+    assert manifest.size_bytes == len(data)
     assert manifest.sha256 == hashlib.sha256(data).hexdigest()
     found = load_latest_snapshot(tmp_path)
     assert found is not None
@@ -87,7 +69,7 @@ def test_data_file_is_plain_data_for_weights_only(tmp_path: Path) -> None:
     manifest = save_snapshot(tmp_path, make_snapshot(3))
     payload = torch.load(tmp_path / manifest.file, weights_only=True, map_location="cpu")
     assert isinstance(payload, dict)
-    assert Snapshot.from_payload(payload).step == 3
+    assert TrainingState.from_payload(payload).step == 3
 
 
 def test_keeps_the_newest(tmp_path: Path) -> None:
@@ -184,6 +166,14 @@ def test_manifest_rejects_what_is_not_one() -> None:
             Manifest.from_json(bad)
 
 
+def test_the_manifest_file_keeps_its_size_key() -> None:
+    """Manifests written before and after ``Manifest.size_bytes`` read the same."""
+    manifest = Manifest(1, 0, 0, 1, "snapshot-000000001-0123abcd.pt", 10, "a" * 64, "t")
+    stored = json.loads(manifest.to_json())
+    assert stored["size"] == 10 and "size_bytes" not in stored
+    assert Manifest.from_json(json.dumps(stored).encode()).size_bytes == 10
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -232,7 +222,7 @@ def test_failed_write_leaves_previous_snapshot(
 CRASH_AT = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from tests.worker.test_runtime_snapshot import make_snapshot
+from tests.worker.helpers import make_snapshot
 from worker.runtime.snapshot import save_snapshot
 
 def fault(point, step):
@@ -292,7 +282,7 @@ def test_snapshot_rejects_bad_progress(field: str, value: int) -> None:
     payload = snapshot.to_payload()
     payload[field] = value
     with pytest.raises(ValueError, match=field):
-        Snapshot.from_payload(payload)
+        TrainingState.from_payload(payload)
 
 
 def test_host_tag_keeps_temp_names_parseable(monkeypatch: pytest.MonkeyPatch) -> None:

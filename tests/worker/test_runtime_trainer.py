@@ -9,53 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.worker.helpers import SEED, assert_same_state, final_state, train
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
-from worker.runtime.setup import seed_everything
+from worker.runtime.model_prep import seed_everything
 from worker.runtime.snapshot import list_snapshots, manifest_name
-from worker.runtime.trainer import Trainer, TrainResult
+from worker.runtime.trainer import Trainer
 from worker.tasks import regression, spirals
-
-SEED = 3
-
-
-def train(snapshot_dir: Path, events: Path | None = None, **overrides: Any) -> TrainResult:
-    """Spirals (BatchNorm + Adam) on 64 points: 8 steps per epoch, 3 epochs."""
-    seed_everything(SEED)
-    dataset = spirals.make_dataset(64, turns=1.5, noise=0.1)
-    model = spirals.make_model(8)
-    fields: dict[str, Any] = {
-        "max_epochs": 3,
-        "batch_size": 8,
-        "lr": 0.01,  # the Adam below uses it
-        "seed": SEED,
-        "snapshot_dir": str(snapshot_dir),
-        "log_every_steps": 1,
-        **overrides,
-    }
-    trainer = Trainer(
-        model,
-        lambda ps: torch.optim.Adam(ps, lr=fields["lr"]),
-        dataset,
-        nn.functional.cross_entropy,
-        TrainerConfig(**fields),
-        DistEnv(),
-        events=EventWriter(events),
-    )
-    return trainer.train()
-
-
-def final_state(result: TrainResult) -> dict[str, torch.Tensor]:
-    assert result.output_path is not None
-    state: dict[str, torch.Tensor] = torch.load(result.output_path, weights_only=True)
-    return state
-
-
-def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
 
 
 def test_resume_after_crash_matches_uninterrupted_run(
@@ -68,7 +29,7 @@ def test_resume_after_crash_matches_uninterrupted_run(
     crashed = tmp_path / "crashed"
     events = tmp_path / "events.jsonl"
     stopped = train(
-        crashed, events, snapshot_every_steps=4, stop_after_steps=11, snapshot_async=False
+        crashed, events, snapshot_every_steps=4, stop_after_steps=11, snapshot_background=False
     )
     assert not stopped.finished and stopped.step == 11
     assert [s for s, _ in list_snapshots(crashed)] == [8, 11]

@@ -6,12 +6,12 @@ them does not pull in the others):
 - ``env``: the launcher's environment (``DistEnv``) and process-group set-up.
 - ``events``: ``EventWriter``, rank 0's JSON-lines channel to the node agent.
 - ``labels``: how log lines name the job, attempt, node and rank (no torch).
-- ``snapshot``: the ``Snapshot`` record, its manifest, atomic save and newest
-  verified load; ``storage`` where the files live (a directory or an fsspec
-  URL); ``saver`` background writes; ``rng`` its RNG states; ``state`` capture
-  from and restore into a live run.
+- ``snapshot``: ``TrainingState``, what a snapshot holds; its manifest, atomic save
+  and newest verified load; ``storage`` where the files live (a directory or an
+  fsspec URL); ``saver`` background writes; ``rng`` its RNG states;
+  ``state_capture`` capture from and restore into a live run.
 - ``sampler``: ``ResumableDistributedSampler``, resumable mid-epoch at any world size.
-- ``setup``: seeding and model preparation (BatchNorm → SyncBatchNorm on CUDA).
+- ``model_prep``: seeding and model preparation (BatchNorm → SyncBatchNorm on CUDA).
 - ``collectives``: snapshot agreement across ranks, loss averaging.
 - ``config``: ``TrainerConfig``.
 - ``trainer``: ``Trainer``, the DDP training loop tying the above together.

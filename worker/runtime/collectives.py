@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker.runtime.snapshot import Snapshot
+from worker.runtime.snapshot import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def mean_across_ranks(value: float, device: torch.device) -> float:
     return float(tensor.item()) / dist.get_world_size()
 
 
-def agree_on_snapshot(local: Snapshot | None) -> Snapshot | None:
+def agree_on_snapshot(local: TrainingState | None) -> TrainingState | None:
     """The snapshot with the highest step that any rank found, on every rank.
 
     Ranks may read different snapshot directories (one per node): after a restart
@@ -45,4 +45,4 @@ def agree_on_snapshot(local: Snapshot | None) -> Snapshot | None:
     dist.broadcast_object_list(box, src=source)
     if dist.get_rank() == 0:
         logger.info("ranks found snapshot steps %s; using rank %d's step %d", steps, source, best)
-    return Snapshot.from_payload(box[0])
+    return TrainingState.from_payload(box[0])

@@ -64,7 +64,7 @@ class TrainerConfig:
     snapshot_every_epochs: int | None = 1
     snapshot_dir: str = DEFAULT_SNAPSHOT_DIR
     snapshot_keep: int = 2
-    snapshot_async: bool = True
+    snapshot_background: bool = True  # write in a thread; from_environ: RELAUNCH_SNAPSHOT_ASYNC
     log_every_steps: int = 10
     step_delay_s: float = 0.0
     output_path: str | None = None
@@ -123,11 +123,11 @@ class TrainerConfig:
         if fields.get("snapshot_keep") is None:
             keep = _optional_count(environ, SNAPSHOT_KEEP_ENV)
             fields["snapshot_keep"] = 2 if keep is None else keep
-        if fields.get("snapshot_async") is None:
+        if fields.get("snapshot_background") is None:
             raw = (environ.get(SNAPSHOT_ASYNC_ENV) or "1").strip().lower()
             if raw not in ("0", "1", "true", "false"):
                 raise ValueError(f"environment variable {SNAPSHOT_ASYNC_ENV}={raw!r} is not 0 or 1")
-            fields["snapshot_async"] = raw in ("1", "true")
+            fields["snapshot_background"] = raw in ("1", "true")
         if fields.get("snapshot_every_epochs") is None:
             env_epochs = _optional_count(environ, SNAPSHOT_EVERY_EPOCHS_ENV)
             if env_epochs is None:

@@ -1,6 +1,6 @@
 """``SnapshotSaver``: rank 0's snapshot writes, off the training path.
 
-The trainer hands over a ``Snapshot`` whose tensors are already private copies
+The trainer hands over a ``TrainingState`` whose tensors are already private copies
 (``copy_off``), so training may change the live ones at once. In background
 mode one thread serializes, hashes and writes it while the next steps run, at
 a lower CPU priority than training. At most one save is in flight: a save that
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from worker.runtime.snapshot import Fault, Location, Manifest, Snapshot, save_snapshot
+from worker.runtime.snapshot import Fault, Location, Manifest, TrainingState, save_snapshot
 from worker.runtime.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class SnapshotSaver:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, snapshot: Snapshot) -> bool:
+    def submit(self, snapshot: TrainingState) -> bool:
         """Start saving ``snapshot``; False if one is still in flight (this one is dropped)."""
         self._raise_pending()
         if self.in_flight:
@@ -111,7 +111,7 @@ class SnapshotSaver:
         if error is not None:
             raise error
 
-    def _write(self, snapshot: Snapshot, in_thread: bool = False) -> None:
+    def _write(self, snapshot: TrainingState, in_thread: bool = False) -> None:
         if in_thread:
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)

@@ -51,7 +51,7 @@ Location = str | os.PathLike[str] | Storage
 
 
 @dataclass
-class Snapshot:
+class TrainingState:
     """Everything needed to continue training from the end of global step ``step``.
 
     ``step`` counts optimizer steps done in all epochs; ``epoch`` is the epoch the
@@ -99,7 +99,7 @@ class Snapshot:
         }
 
     @classmethod
-    def from_payload(cls, payload: Any) -> Snapshot:
+    def from_payload(cls, payload: Any) -> TrainingState:
         """Rebuild from ``to_payload``'s dict; ``ValueError`` if it is not one."""
         if not isinstance(payload, dict):
             raise ValueError(f"snapshot payload must be a dict, got {type(payload).__name__}")
@@ -128,7 +128,8 @@ class Manifest:
     """What was committed: the data file's name, size and checksum, and where training was.
 
     ``time`` is the commit time (ISO 8601, UTC). ``job_id`` and ``attempt_id``
-    name the writer when the node agent set them.
+    name the writer when the node agent set them. ``size_bytes`` is stored under
+    the key ``size`` in the file, as every manifest so far was written.
     """
 
     step: int
@@ -136,7 +137,7 @@ class Manifest:
     samples_consumed: int
     world_size: int
     file: str
-    size: int
+    size_bytes: int
     sha256: str
     time: str
     job_id: str | None = None
@@ -144,7 +145,9 @@ class Manifest:
     format: int = MANIFEST_FORMAT
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        fields["size"] = fields.pop("size_bytes")
+        return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -155,6 +158,8 @@ class Manifest:
             raise ValueError(f"manifest is not JSON: {exc}") from None
         if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
             raise ValueError("not a snapshot manifest of a known format")
+        if "size" in raw:
+            raw["size_bytes"] = raw.pop("size")
         try:
             manifest = cls(**raw)
         except TypeError as exc:
@@ -191,7 +196,7 @@ class _HashingWriter:
 
 def save_snapshot(
     location: Location,
-    snapshot: Snapshot,
+    snapshot: TrainingState,
     keep: int = 2,
     before_commit: Callable[[], None] | None = None,
     fault: Fault | None = None,
@@ -232,7 +237,7 @@ def save_snapshot(
         samples_consumed=snapshot.samples_consumed,
         world_size=snapshot.world_size,
         file=data_name,
-        size=hashed[0].bytes,
+        size_bytes=hashed[0].bytes,
         sha256=hashed[0].sha256.hexdigest(),
         time=datetime.now(UTC).isoformat(),
         job_id=snapshot.extra.get("job_id"),
@@ -243,9 +248,9 @@ def save_snapshot(
         handle.write(manifest.to_json())
 
     storage.write(manifest_name(snapshot.step), write_manifest, before_commit)
-    if storage.size(data_name) != manifest.size:
+    if storage.size(data_name) != manifest.size_bytes:
         raise OSError(
-            f"{storage.path_of(data_name)} does not hold the {manifest.size} bytes written"
+            f"{storage.path_of(data_name)} does not hold the {manifest.size_bytes} bytes written"
         )
     prune(storage, keep, snapshot.step)
     return manifest
@@ -300,7 +305,7 @@ SkipReporter = Callable[[int, str], None]
 
 def load_latest_snapshot(
     location: Location, on_skip: SkipReporter | None = None
-) -> tuple[Snapshot, Manifest] | None:
+) -> tuple[TrainingState, Manifest] | None:
     """The newest snapshot whose data matches its manifest, or ``None`` if none does.
 
     Candidates are tried newest step first. A snapshot is skipped, with a
@@ -329,17 +334,19 @@ def load_latest_snapshot(
     return None
 
 
-def _read_verified(storage: Storage, manifest: Manifest) -> Snapshot:
+def _read_verified(storage: Storage, manifest: Manifest) -> TrainingState:
     data = storage.read(manifest.file)
-    if len(data) != manifest.size:
-        raise ValueError(f"size mismatch: {len(data)} bytes on storage, {manifest.size} recorded")
+    if len(data) != manifest.size_bytes:
+        raise ValueError(
+            f"size mismatch: {len(data)} bytes on storage, {manifest.size_bytes} recorded"
+        )
     digest = hashlib.sha256(data).hexdigest()
     if digest != manifest.sha256:
         raise ValueError(
             f"checksum mismatch: sha256 {digest[:12]}..., {manifest.sha256[:12]}... recorded"
         )
     payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    return Snapshot.from_payload(payload)
+    return TrainingState.from_payload(payload)
 
 
 def atomic_torch_save(

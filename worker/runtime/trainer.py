@@ -13,7 +13,7 @@ must hold across a restart (same seed):
 - Every rank runs the same collectives in the same order; rank-0-only code
   (snapshot writes, events, the final model) contains none.
 
-BatchNorm becomes SyncBatchNorm on CUDA only (see ``setup``).
+BatchNorm becomes SyncBatchNorm on CUDA only (see ``model_prep``).
 """
 
 from __future__ import annotations
@@ -37,18 +37,18 @@ from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
 from worker.runtime.events import EventWriter
 from worker.runtime.fence import writer_token_from_environ
-from worker.runtime.progress import beat
-from worker.runtime.sampler import ResumableDistributedSampler, steps_left
-from worker.runtime.saver import SnapshotSaver
-from worker.runtime.setup import (
+from worker.runtime.model_prep import (
     LossFn,
     OptimizerFactory,
     SchedulerFactory,
     prepare_model,
     seed_everything,
 )
+from worker.runtime.progress import beat
+from worker.runtime.sampler import ResumableDistributedSampler, steps_left
+from worker.runtime.saver import SnapshotSaver
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
-from worker.runtime.state import capture_state, restore_state
+from worker.runtime.state_capture import capture_state, restore_state
 from worker.runtime.storage import is_url
 
 __all__ = ["LossFn", "OptimizerFactory", "TrainResult", "Trainer", "TrainerConfig"]
@@ -119,7 +119,7 @@ class Trainer:
         self.saver = SnapshotSaver(
             config.snapshot_dir,
             keep=config.snapshot_keep,
-            background=config.snapshot_async,
+            background=config.snapshot_background,
             before_commit=self._check_writer,
             fault=self._crash_drill,
             on_saved=self._snapshot_saved,
@@ -348,14 +348,15 @@ class Trainer:
             epoch=manifest.epoch,
             world_size=manifest.world_size,
             path=path,
-            bytes=manifest.size,
+            bytes=manifest.size_bytes,
             sha256=manifest.sha256,
             seconds=round(seconds, 3),
             background=background,
         )
         logger.info(
             "snapshot at step %d (epoch %d): %s, %d bytes, sha256 %s, %.2f s%s",
-            *(manifest.step, manifest.epoch, path, manifest.size, manifest.sha256[:12], seconds),
+            *(manifest.step, manifest.epoch, path, manifest.size_bytes, manifest.sha256[:12]),
+            seconds,
             " in the background" if background else "",
         )
 

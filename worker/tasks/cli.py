@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.labels import label_from_environ
-from worker.runtime.setup import LossFn, OptimizerFactory, seed_everything
+from worker.runtime.model_prep import LossFn, OptimizerFactory, seed_everything
 from worker.runtime.trainer import Trainer
 from worker.tasks.registry import CommonParams, flag_name, get_task, validate_params
 
@@ -128,7 +128,7 @@ def trainer_config(
         snapshot_every_steps=args.snapshot_every_steps,
         snapshot_every_epochs=args.snapshot_every_epochs,
         snapshot_keep=args.snapshot_keep,
-        snapshot_async=None if args.snapshot_async is None else bool(args.snapshot_async),
+        snapshot_background=None if args.snapshot_async is None else bool(args.snapshot_async),
         snapshot_crash_at=params.crash_in_save or None,
         snapshot_crash_step=params.crash_in_save_step,
         output_path=args.output,

@@ -1,4 +1,4 @@
-"""Between a live training run and a ``Snapshot``: what is captured, what is restored."""
+"""Between a live training run and a ``TrainingState``: what is captured, what is restored."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV
 from worker.runtime.rng import RngState
 from worker.runtime.saver import copy_off
-from worker.runtime.snapshot import Snapshot
+from worker.runtime.snapshot import TrainingState
 
 
 def capture_state(
@@ -27,7 +27,7 @@ def capture_state(
     seed: int,
     device: torch.device,
     environ: Mapping[str, str] = os.environ,
-) -> Snapshot:
+) -> TrainingState:
     """A snapshot of the run after ``step``; ``model`` must be the unwrapped module.
 
     Every tensor is a private CPU copy (``saver.copy_off``): training may go on
@@ -35,7 +35,7 @@ def capture_state(
     job and attempt that wrote it, when the agent set them.
     """
     ids = (("job_id", JOB_ID_ENV), ("attempt_id", ATTEMPT_ID_ENV))
-    return Snapshot(
+    return TrainingState(
         model_state=copy_off(model.state_dict()),
         optimizer_state=copy_off(optimizer.state_dict()),
         scheduler_state=copy_off(scheduler.state_dict()) if scheduler is not None else None,
@@ -51,7 +51,7 @@ def capture_state(
 
 
 def restore_state(
-    snapshot: Snapshot,
+    snapshot: TrainingState,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,

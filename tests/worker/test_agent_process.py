@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 from worker import procs
 from worker.protocol import (
     Assignment,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from tests.service.conftest import Cluster
-from tests.service.test_auth import bearer
-from tests.service.test_node_flow import submit
+from tests.service.helpers import Cluster, bearer, submit
 
 
 def test_an_unchanged_answer_is_304_and_a_changed_one_is_200(api: Cluster) -> None:

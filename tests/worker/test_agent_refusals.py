@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.demo import LocalCluster, free_port
+from service.local_cluster import LocalCluster, free_port
 from worker.agent import NodeAgent
 from worker.attempt import Attempt
 from worker.client import (

@@ -1,0 +1,215 @@
+"""A controller and node agents as real processes on this machine: the demo's cluster,
+and the harness of the end-to-end tests and the benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from service.client import RelaunchClient
+
+
+def job_processes(snapshot_dir: Path) -> list[psutil.Process]:
+    """Every process on this machine of the job whose snapshot directory is ``snapshot_dir``.
+
+    The directory is unique per controller and job, so processes of another
+    controller's job with the same id are never matched.
+    """
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("RELAUNCH_SNAPSHOT_DIR") == str(snapshot_dir):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def job_worker_processes(snapshot_dir: Path) -> list[psutil.Process]:
+    """The job's training processes (not its launchers)."""
+    workers = []
+    for proc in job_processes(snapshot_dir):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if "worker.launch" not in cmd and "torch.distributed.run" not in cmd:
+            workers.append(proc)
+    return workers
+
+
+@dataclass
+class LocalCluster:
+    """A controller and node agents as real processes on this machine."""
+
+    data_dir: Path
+    port: int
+    store_port: int
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    log_dir: Path | None = None
+    host: str = "127.0.0.1"  # where nodes reach the controller and its store
+    snapshot_root: Path | None = None  # default: data_dir/snapshots
+    # The secret the agents register with; the controller is started with it.
+    enrolment_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    # The first admin's token, read from the controller's output at its first start.
+    admin_token: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def client(self, timeout_s: float = 10.0) -> RelaunchClient:
+        """A client acting as the first admin."""
+        return RelaunchClient(self.url, self.admin_token, timeout_s=timeout_s)
+
+    def learn_admin_token(self) -> None:
+        """Read the first admin's token from the controller's output, once."""
+        if self.admin_token is not None:
+            return
+        # Imported here, not at the top: the banner is the controller's, and importing
+        # service.api.app loads the whole controller (FastAPI, SQLAlchemy), which the
+        # CLI, importing the demo and so this module, must not pay for on every command.
+        from service.api.app import FIRST_ADMIN_BANNER
+
+        log = (self.log_dir or self.data_dir) / "controller.log"
+        lines = log.read_text(errors="replace").splitlines()
+        for banner, token in itertools.pairwise(lines):
+            if banner.strip() == FIRST_ADMIN_BANNER:
+                self.admin_token = token.strip()
+                return
+        raise RuntimeError(f"the controller printed no admin token; see {log}")
+
+    def snapshot_dir(self, job_id: int) -> Path:
+        return (self.snapshot_root or self.data_dir / "snapshots") / f"job-{job_id}"
+
+    def job_processes(self, job_id: int) -> list[psutil.Process]:
+        return job_processes(self.snapshot_dir(job_id))
+
+    def job_workers(self, job_id: int) -> list[psutil.Process]:
+        return job_worker_processes(self.snapshot_dir(job_id))
+
+    def spawn(
+        self, name: str, args: list[str], env: dict[str, str], prefix: list[str] | None = None
+    ) -> None:
+        """Run ``relaunch ARGS`` as process ``name`` with ``env`` added; its output goes to
+        ``name.log``."""
+        log_dir = self.log_dir or self.data_dir
+        log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(
+            [*(prefix or []), sys.executable, "-m", "service.cli", *args],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def start_controller(self, extra_env: dict[str, str] | None = None) -> None:
+        env = {
+            "RELAUNCH_DATA_DIR": str(self.data_dir),
+            "RELAUNCH_HOST": self.host,
+            "RELAUNCH_PORT": str(self.port),
+            "RELAUNCH_STORE_HOST": self.host,
+            "RELAUNCH_STORE_PORT": str(self.store_port),
+            "RELAUNCH_ENROLMENT_TOKEN": self.enrolment_token,
+            **({"RELAUNCH_SNAPSHOT_ROOT": str(self.snapshot_root)} if self.snapshot_root else {}),
+            **(extra_env or {}),
+        }
+        self.spawn("controller", ["server"], env)
+        self.wait_healthy()
+        self.learn_admin_token()
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with RelaunchClient(self.url, timeout_s=2.0) as client:
+            while True:
+                try:
+                    client.health()
+                    return
+                except Exception as exc:
+                    proc = self.procs.get("controller")
+                    if proc is not None and proc.poll() is not None:
+                        raise RuntimeError("the controller exited; see controller.log") from exc
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the controller did not become healthy") from exc
+                    time.sleep(0.2)
+
+    def start_agent(
+        self, name: str, address: str | None = None, prefix: list[str] | None = None
+    ) -> None:
+        """Start node agent ``name``; ``prefix`` wraps its command (``ip netns exec NS``)."""
+        work = self.data_dir / "agents" / name
+        work.mkdir(parents=True, exist_ok=True)
+        args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
+        if address is not None:
+            args += ["--address", address]
+        self.spawn(name, args, {"RELAUNCH_AGENT_ENROLMENT_TOKEN": self.enrolment_token}, prefix)
+
+    def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while sum(n["state"] == "ALIVE" for n in client.nodes()) < count:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fewer than {count} nodes registered")
+                time.sleep(0.2)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def node_processes(self, name: str) -> list[psutil.Process]:
+        """The agent of node ``name`` and every process under it (launchers, workers)."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return []
+        try:
+            agent = psutil.Process(proc.pid)
+            return [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal_node(self, name: str, sig: int) -> list[psutil.Process]:
+        """Send ``sig`` to every process of node ``name`` at once; return them."""
+        found = self.node_processes(name)
+        for proc in found:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL every process of node ``name``, as if the host died."""
+        self.signal_node(name, signal.SIGKILL)
+        proc = self.procs.pop(name, None)
+        if proc is not None:
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name in [n for n in self.procs if n != "controller"]:
+            self.stop(name)
+        self.stop("controller")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -1,0 +1,36 @@
+"""Helpers for any test: waiting for a condition, a clock that moves only when told."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+
+def wait_for(
+    what: str, predicate: Callable[[], Any], timeout_s: float = 40.0, interval_s: float = 0.1
+) -> Any:
+    """Poll ``predicate`` until it returns something true, and return that;
+    fail the test with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self.now = start or datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
