@@ -8,6 +8,8 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from contract.tasks import TASKS, task_args
 from service.errors import StaleState
 from service.jobs import add_event, count_membership_change
 from service.models import Attempt, AttemptMember, Job, Node
@@ -20,8 +22,6 @@ from service.states import (
     MemberState,
     check_transition,
 )
-from worker.protocol import Assignment, Entrypoint, RendezvousConfig
-from worker.tasks.registry import TASKS, task_args
 
 logger = logging.getLogger(__name__)
 

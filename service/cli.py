@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from contract.labels import log_label
+from contract.tasks import TASKS
 from service.client import ApiError, RelaunchClient
-from worker.runtime.labels import log_label
 from worker.settings import DEFAULT_CONTROLLER_URL
-from worker.tasks.registry import TASKS
 
 app = typer.Typer(
     help="relaunch: fault-tolerant, elastic training service for PyTorch",

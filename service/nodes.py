@@ -8,12 +8,12 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.orm import Session
 
+from contract.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
 from service.attempts import assignment_for, drop_member
 from service.errors import NotFound
 from service.models import Attempt, AttemptMember, Node
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
-from worker.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
 
 logger = logging.getLogger(__name__)
 

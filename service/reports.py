@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from contract.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent, StopReason
 from service.attempts import drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
 from service.jobs import add_event, change_job_state, get_job
@@ -23,7 +24,6 @@ from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, 
 from service.nodes import get_node
 from service.schemas import JobSpec
 from service.states import AttemptState, JobState, MemberState
-from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent, StopReason
 
 logger = logging.getLogger(__name__)
 

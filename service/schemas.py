@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contract.protocol import PlainText, RestartPolicy
+from contract.tasks import TASKS, task_args
 from service.models import Role
 from service.states import AttemptState, JobState, MemberState, NodeState
-from worker.protocol import PlainText, RestartPolicy
-from worker.tasks.registry import TASKS, task_args
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -34,10 +34,9 @@ from typing import IO, Literal, NamedTuple
 
 import psutil
 
-from worker import procs
-from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
-from worker.paths import inside
-from worker.protocol import (
+from contract.labels import log_label
+from contract.paths import inside, is_url
+from contract.protocol import (
     ATTEMPT_ID_ENV,
     ATTEMPT_NUMBER_ENV,
     EVENTS_FILE_ENV,
@@ -57,8 +56,8 @@ from worker.protocol import (
     LogLine,
     RunningAttempt,
 )
-from worker.runtime.labels import log_label
-from worker.runtime.storage import is_url
+from worker import procs
+from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.settings import AgentSettings
 
 logger = logging.getLogger(__name__)

@@ -40,11 +40,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from contract.labels import label_from_environ
+from contract.protocol import EventKind, RestartPolicy
 from worker import procs
 from worker.bootstrap import STACK_DUMP_SIGNAL
-from worker.protocol import EventKind, RestartPolicy
 from worker.runtime.events import EventWriter
-from worker.runtime.labels import label_from_environ
 from worker.runtime.progress import progress_file
 
 logger = logging.getLogger(__name__)

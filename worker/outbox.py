@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker.protocol import EventKind, LogLine, RuntimeEvent
+from contract.protocol import EventKind, LogLine, RuntimeEvent
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from contract.tasks import TASKS
 from service.cli import app
 from worker.settings import DEFAULT_CONTROLLER_URL, AgentSettings
-from worker.tasks.registry import TASKS
 
 
 def commands(

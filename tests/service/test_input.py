@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from contract.paths import UnsafePath, inside, plain_name
 from service.schemas import JobCreate
 from tests.service.conftest import Cluster
 from tests.service.test_auth import bearer
 from tests.service.test_node_flow import heartbeat, register
-from worker.paths import UnsafePath, inside, plain_name
 
 SPEC: dict[str, Any] = {"name": "j", "task": {"name": "regression", "params": {"epochs": 2}}}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.protocol import EventKind, RuntimeEvent
+from contract.protocol import EventKind, RuntimeEvent
 from worker.runtime.events import MAX_LINE_BYTES, EventWriter, encode_event
 
 
@@ -45,7 +45,7 @@ def test_oversized_event_is_refused() -> None:
 
 WRITER = """
 import sys
-from worker.protocol import EventKind
+from contract.protocol import EventKind
 from worker.runtime.events import EventWriter
 writer = EventWriter(sys.argv[1])
 for step in range(300):

@@ -5,6 +5,14 @@ from string import Template
 
 import pytest
 
+from contract.protocol import (
+    Assignment,
+    Entrypoint,
+    EventKind,
+    LogLine,
+    RendezvousConfig,
+    RuntimeEvent,
+)
 from worker.attempt import (
     LOG_LINE_PREFIX_TEMPLATE,
     attempt_label,
@@ -14,14 +22,6 @@ from worker.attempt import (
     parse_console_line,
 )
 from worker.outbox import EventsTail, LogOutbox
-from worker.protocol import (
-    Assignment,
-    Entrypoint,
-    EventKind,
-    LogLine,
-    RendezvousConfig,
-    RuntimeEvent,
-)
 from worker.settings import AgentSettings
 
 

@@ -113,8 +113,8 @@ def test_bad_torchrun_arguments_still_end_with_a_launcher_exit(tmp_path: Path) -
 def test_a_long_worker_error_still_fits_in_one_event_line(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from contract.protocol import EventKind, RuntimeEvent
     from worker.launch import MAX_MESSAGE_CHARS, failure_message
-    from worker.protocol import EventKind, RuntimeEvent
     from worker.runtime.events import EventWriter
 
     traceback = "Traceback (most recent call last):\n" + "  frame\n" * 5000

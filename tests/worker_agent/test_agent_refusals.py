@@ -10,16 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.demo import LocalCluster, free_port
-from worker.agent import NodeAgent
-from worker.attempt import Attempt
-from worker.client import (
-    ControllerClient,
-    ControllerError,
-    EnrolmentRefusedError,
-    FencedError,
-)
-from worker.protocol import (
+from contract.protocol import (
     Assignment,
     AttemptReport,
     Entrypoint,
@@ -30,6 +21,15 @@ from worker.protocol import (
     ReportAccepted,
     RuntimeEvent,
     StopReason,
+)
+from service.demo import LocalCluster, free_port
+from worker.agent import NodeAgent
+from worker.attempt import Attempt
+from worker.client import (
+    ControllerClient,
+    ControllerError,
+    EnrolmentRefusedError,
+    FencedError,
 )
 from worker.settings import AgentSettings
 

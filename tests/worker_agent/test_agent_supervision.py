@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from contract.protocol import EventKind, RestartPolicy
 from worker.launch import Supervision
-from worker.protocol import EventKind, RestartPolicy
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
 

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-from worker.protocol import EVENTS_FILE_ENV, EventKind, RuntimeEvent
+from contract.protocol import EVENTS_FILE_ENV, EventKind, RuntimeEvent
 
 logger = logging.getLogger(__name__)
 

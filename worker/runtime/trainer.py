@@ -31,7 +31,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from worker.protocol import EventKind
+from contract.paths import is_url
+from contract.protocol import EventKind
 from worker.runtime.collectives import agree_on_snapshot, mean_across_ranks
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
@@ -49,7 +50,6 @@ from worker.runtime.setup import (
 )
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
 from worker.runtime.state import capture_state, restore_state
-from worker.runtime.storage import is_url
 
 __all__ = ["LossFn", "OptimizerFactory", "TrainResult", "Trainer", "TrainerConfig"]
 
