@@ -19,6 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+# A controller on this host at its default port (RELAUNCH_PORT): the one-host setup.
+DEFAULT_CONTROLLER_URL = "http://127.0.0.1:8080"
+
 # Environment variables the node agent sets for the launcher and its workers.
 JOB_ID_ENV = "RELAUNCH_JOB_ID"
 ATTEMPT_ID_ENV = "RELAUNCH_ATTEMPT_ID"  # the controller's id of the attempt
