@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contract.protocol import PlainText, RestartPolicy
+from contract.fields import PlainText
+from contract.protocol import RestartPolicy
 from contract.tasks import TASKS, task_args
 from service.models import Role
 from service.states import AttemptState, JobState, MemberState, NodeState

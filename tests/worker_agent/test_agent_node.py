@@ -21,11 +21,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
+from contract.events import EventKind
 from contract.protocol import (
     Assignment,
     AttemptReport,
     Entrypoint,
-    EventKind,
     Heartbeat,
     HeartbeatReply,
     NodeRegister,

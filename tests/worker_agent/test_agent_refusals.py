@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from contract.events import TrainingProgress, runtime_event
 from contract.protocol import (
     Assignment,
     AttemptReport,
     Entrypoint,
-    EventKind,
     NodeRegister,
     NodeRegistered,
     RendezvousConfig,
     ReportAccepted,
-    RuntimeEvent,
     StopReason,
 )
 from service.demo import LocalCluster, free_port
@@ -95,7 +94,7 @@ def _attempt_with_output(tmp_path: Path, settings: AgentSettings) -> Attempt:
     )
     attempt = Attempt(assignment, settings)  # never started: stopping it only records how
     attempt.events_path.parent.mkdir(parents=True)
-    event = RuntimeEvent(time=datetime.now(UTC), kind=EventKind.PROGRESS, data={"step": 1})
+    event = runtime_event(TrainingProgress(step=1), datetime.now(UTC))
     attempt.events_path.write_text(event.model_dump_json() + "\n")
     return attempt
 

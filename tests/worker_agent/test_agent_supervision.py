@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from contract.protocol import EventKind, RestartPolicy
+from contract.events import EventKind
+from contract.protocol import RestartPolicy
 from worker.launch import Supervision
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
