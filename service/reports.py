@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -158,33 +159,24 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
         return
     if job.state is not JobState.RUNNING or cause == "peer_lost":
         return
-    spec = JobSpec.model_validate(job.spec)
-    job.restart_count += 1
-    if job.restart_count > spec.max_restarts:
-        _fail_job(
-            at.session,
-            job,
-            at.attempt,
-            at.now,
-            f"restart budget spent: {job.restart_count} worker failures, max_restarts "
-            f"{spec.max_restarts}; the last: {_exit_text(data)}",
-        )
+    delay = _restart_or_fail(
+        at.session,
+        job,
+        at.attempt,
+        at.now,
+        cause=cause,
+        spent=lambda failures, most: (
+            f"restart budget spent: {failures} worker failures, max_restarts {most}; "
+            f"the last: {_exit_text(data)}"
+        ),
+        restarting=f"restarting the workers after a {cause.replace('_', ' ')}",
+        time=at.time,
+        node_id=at.node.id,
+    )
+    if delay is None:
         return
     change_job_state(
         at.session, job, JobState.RESTARTING, at.now, message=f"worker failed ({cause})"
-    )
-    delay = spec.restart_policy().delay_s(job.restart_count)
-    add_event(
-        at.session,
-        job.id,
-        "restarting",
-        f"restarting the workers after a {cause.replace('_', ' ')} (restart "
-        f"{job.restart_count} of {spec.max_restarts}"
-        + (f", after {delay:g} s back-off)" if delay else ")"),
-        at.time,
-        attempt_id=at.attempt.id,
-        node_id=at.node.id,
-        data={"cause": cause, "restart": job.restart_count, "backoff_s": delay},
     )
 
 
@@ -287,6 +279,46 @@ def _finished(data: TrainingFinished, at: _Applied) -> None:
     )
 
 
+def _restart_or_fail(
+    session: Session,
+    job: Job,
+    attempt: Attempt,
+    now: datetime,
+    *,
+    cause: str,
+    spent: Callable[[int, int], str],
+    restarting: str,
+    time: datetime,
+    node_id: int | None = None,
+) -> float | None:
+    """Count a failure (``cause``) against the job's one restart budget.
+
+    Within ``max_restarts``: records the "restarting" event (``restarting`` says
+    what restarts; "(restart N of M, after D s back-off)" follows) and returns the
+    back-off before the restart; the caller moves the job on. Past it: fails the
+    attempt and the job with ``spent(failures, max_restarts)`` and returns None.
+    Either way the failure is counted in ``job.restart_count``.
+    """
+    spec = JobSpec.model_validate(job.spec)
+    job.restart_count += 1
+    if job.restart_count > spec.max_restarts:
+        _fail_job(session, job, attempt, now, spent(job.restart_count, spec.max_restarts))
+        return None
+    delay = spec.restart_policy().delay_s(job.restart_count)
+    add_event(
+        session,
+        job.id,
+        "restarting",
+        f"{restarting} (restart {job.restart_count} of {spec.max_restarts}"
+        + (f", after {delay:g} s back-off)" if delay else ")"),
+        time,
+        attempt_id=attempt.id,
+        node_id=node_id,
+        data={"cause": cause, "restart": job.restart_count, "backoff_s": delay},
+    )
+    return delay
+
+
 def _fail_job(session: Session, job: Job, attempt: Attempt, now: datetime, why: str) -> None:
     """End the attempt and the job; the nodes stop the attempt's processes."""
     if attempt.state is AttemptState.RUNNING:
@@ -330,26 +362,25 @@ def _launcher_failed(
 ) -> None:
     """A node's launcher gave up. Fatal: the job fails. Otherwise the controller re-forms
     the job itself (a new attempt, after the back-off), which costs one restart."""
-    spec = JobSpec.model_validate(job.spec)
-    if exit.fatal or job.restart_count + 1 > spec.max_restarts:
+    if exit.fatal:
         _fail_job(session, job, attempt, now, why)
         return
+    delay = _restart_or_fail(
+        session,
+        job,
+        attempt,
+        now,
+        cause="launcher_failed",
+        spent=lambda failures, most: why,
+        restarting=f"the launcher of attempt {attempt.number} failed; the job is placed "
+        "again as a new attempt",
+        time=now,
+    )
+    if delay is None:
+        return
     end_attempt(session, attempt, AttemptState.FAILED, now, why[:2000])
-    job.restart_count += 1
-    delay = spec.restart_policy().delay_s(job.restart_count)
     change_job_state(session, job, JobState.WAITING, now, message="relaunching")
     job.waiting_since, job.not_before = now, now + timedelta(seconds=delay)
-    add_event(
-        session,
-        job.id,
-        "restarting",
-        f"the launcher of attempt {attempt.number} failed; the job is placed again as a new "
-        f"attempt (restart {job.restart_count} of {spec.max_restarts}"
-        + (f", after {delay:g} s back-off)" if delay else ")"),
-        now,
-        attempt_id=attempt.id,
-        data={"cause": "launcher_failed", "restart": job.restart_count, "backoff_s": delay},
-    )
 
 
 def _record_stale_exit(
