@@ -17,6 +17,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/relaunch
 WORKDIR /src
 COPY constraints.txt pyproject.toml README.md alembic.ini ./
+COPY contract ./contract
 COPY service ./service
 COPY worker ./worker
 COPY migrations ./migrations

@@ -8,15 +8,15 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from contract.tasks import TASKS, task_args
 from service.errors import StaleState
-from service.events import add_event
+from service.job_events import add_event
 from service.models import Attempt, AttemptMember, Job, Node
 from service.settings import ControllerSettings
 from service.spec import JobSpec
 from service.states import AttemptState, MemberState
 from service.transitions import transition
-from worker.protocol import Assignment, Entrypoint, RendezvousConfig
-from worker.tasks.registry import TASKS, task_args
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""The ``relaunch`` command: controller, node agent, and a client of the REST API."""
+"""The ``relaunch`` command: controller, and a client of the REST API.
+
+The node agent's command plugs in (``contract.cli``): ``relaunch agent``.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +12,33 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import httpx
 import typer
 import yaml
-from pydantic import AliasChoices, ValidationError
-from pydantic_settings import BaseSettings
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from contract.cli import (
+    COMMANDS_GROUP,
+    HEALTH_CHECKS_GROUP,
+    LogLevelOption,
+    fail,
+    load_settings,
+    setup_logging,
+)
+from contract.labels import log_label
+from contract.protocol import DEFAULT_CONTROLLER_URL
+from contract.tasks import TASKS
 from service.client import ApiError, RelaunchClient
 from service.demo import run_demo
 from service.timeline import print_timeline
-from worker.runtime.labels import log_label
-from worker.settings import DEFAULT_CONTROLLER_URL
-from worker.tasks.registry import TASKS
+
+logger = logging.getLogger(__name__)
 
 app = typer.Typer(
     help="relaunch: fault-tolerant, elastic training service for PyTorch",
@@ -34,7 +46,6 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
-err_console = Console(stderr=True)
 
 UrlOption = Annotated[
     str,
@@ -45,7 +56,6 @@ UrlOption = Annotated[
     ),
 ]
 DEFAULT_URL = DEFAULT_CONTROLLER_URL
-LogLevelOption = Annotated[str, typer.Option(help="Logging level: debug, info, warning or error")]
 JobIdArgument = Annotated[int, typer.Argument(help="The job's id (`relaunch jobs` lists them)")]
 TOKEN_ENV = "RELAUNCH_TOKEN"
 API_TIMEOUT_S = 10.0  # for each request of a command
@@ -58,50 +68,6 @@ STATE_COLOURS = {
     "FAILED": "bold red",
     "CANCELLED": "dim",
 }
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
-
-
-def _explain_settings(cls: type[BaseSettings], exc: ValidationError) -> str:
-    """Name the environment variable behind each bad value, and say what it must be."""
-    prefix = cls.model_config.get("env_prefix", "")
-    lines = []
-    for error in exc.errors():
-        message = error["msg"].removeprefix("Value error, ")
-        if not error["loc"]:
-            lines.append(f"  {message}")
-            continue
-        name = str(error["loc"][0])
-        field = cls.model_fields.get(name)
-        alias = field.validation_alias if field else None
-        env = alias.choices[0] if isinstance(alias, AliasChoices) else f"{prefix}{name}".upper()
-        secret = field is not None and "SecretStr" in str(field.annotation)
-        shown = "<hidden>" if secret else repr(error.get("input"))
-        lines.append(f"  {env}={shown}: {message}")
-    return "\n".join(lines)
-
-
-S = TypeVar("S", bound=BaseSettings)
-
-
-def _load_settings(cls: type[S], what: str, **overrides: Any) -> S:
-    """The settings from the environment (and ``overrides``), or exit 2 saying what is wrong."""
-    try:
-        return cls(**overrides)
-    except ValidationError as exc:
-        raise _fail(f"bad {what} settings:\n{_explain_settings(cls, exc)}") from exc
-
-
-def _fail(message: str) -> typer.Exit:
-    """Print ``message`` as the command's error (never wrapped) and return the exit to raise."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
-    return typer.Exit(code=2)
 
 
 def with_scheme(url: str) -> str:
@@ -138,7 +104,7 @@ def _api(url: str, refused: str = "") -> Iterator[RelaunchClient]:
     """
     token = os.environ.get(TOKEN_ENV)
     if not token:
-        raise _fail(
+        raise fail(
             f"set {TOKEN_ENV} to your API token (an admin makes one with "
             "`relaunch users add` or `relaunch users token`)"
         )
@@ -147,9 +113,9 @@ def _api(url: str, refused: str = "") -> Iterator[RelaunchClient]:
         with RelaunchClient(url, token, timeout_s=API_TIMEOUT_S) as client:
             yield client
     except ApiError as exc:
-        raise _fail(f"{refused}{exc}") from exc
+        raise fail(f"{refused}{exc}") from exc
     except (httpx.TransportError, httpx.InvalidURL) as exc:
-        raise _fail(_unreachable(url, exc, API_TIMEOUT_S)) from exc
+        raise fail(_unreachable(url, exc, API_TIMEOUT_S)) from exc
 
 
 @app.command()
@@ -172,13 +138,13 @@ def server(
     from service.api.app import create_app
     from service.settings import ControllerSettings
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     overrides: dict[str, Any] = {}
     if host is not None:
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
-    settings = _load_settings(ControllerSettings, "controller", **overrides)
+    settings = load_settings(ControllerSettings, "controller", **overrides)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -186,53 +152,6 @@ def server(
         log_level=log_level.lower(),
         access_log=False,
     )
-
-
-@app.command()
-def agent(
-    controller: Annotated[
-        str,
-        typer.Option(
-            envvar="RELAUNCH_AGENT_CONTROLLER_URL",
-            help="Controller URL; the default is a controller on this host at its default port",
-        ),
-    ] = DEFAULT_CONTROLLER_URL,
-    name: Annotated[
-        str | None, typer.Option(help="Node name, unique and stable (default: the host name)")
-    ] = None,
-    address: Annotated[
-        str | None,
-        typer.Option(help="Address other nodes use to reach this one (default: 127.0.0.1)"),
-    ] = None,
-    slots: Annotated[
-        int | None, typer.Option(help="Worker processes this node takes (default: 1)")
-    ] = None,
-    work_dir: Annotated[
-        Path | None, typer.Option(help="Agent state directory (default: ~/.relaunch/agent/NAME)")
-    ] = None,
-    log_level: LogLevelOption = "info",
-) -> None:
-    """Run a node agent: register with the controller and run what it assigns.
-
-    An option left out is read from its RELAUNCH_AGENT_* variable (RELAUNCH_AGENT_NAME,
-    ...); the enrolment token only from RELAUNCH_AGENT_ENROLMENT_TOKEN. A refused
-    enrolment token ends the agent with exit status 1.
-    """
-    from worker.agent import run_agent
-    from worker.settings import AgentSettings
-
-    _setup_logging(log_level)
-    overrides: dict[str, Any] = {"controller_url": controller}
-    for key, value in (
-        ("name", name),
-        ("address", address),
-        ("slots", slots),
-        ("work_dir", work_dir),
-    ):
-        if value is not None:
-            overrides[key] = value
-    settings = _load_settings(AgentSettings, "agent", **overrides)
-    raise typer.Exit(code=run_agent(settings))
 
 
 @app.command()
@@ -255,28 +174,22 @@ def healthcheck(
 
     from service.settings import ControllerSettings
     from service.store import connect_host
-    from worker.settings import AgentSettings
 
     role = role or ("agent" if os.environ.get("RELAUNCH_AGENT_CONTROLLER_URL") else "controller")
-    if role == "agent":
-        agent_settings = _load_settings(AgentSettings, "agent")
-        try:
-            age = time.time() - agent_settings.alive_file.stat().st_mtime
-        except OSError as exc:
-            raise _fail(f"the agent has not started its loop: {exc}") from exc
-        if age > max_age_s:
-            raise _fail(f"the agent's loop last turned {age:.0f} s ago")
+    checks = {entry.name: entry for entry in entry_points(group=HEALTH_CHECKS_GROUP)}
+    if role in checks:
+        checks[role].load()(max_age_s)
         return
     if role != "controller":
-        raise _fail(f"--role must be controller or agent, got {role!r}")
-    settings = _load_settings(ControllerSettings, "controller")
+        raise fail(f"--role must be {' or '.join(['controller', *checks])}, got {role!r}")
+    settings = load_settings(ControllerSettings, "controller")
     url = f"http://{connect_host(settings.host)}:{settings.port}/healthz"
     try:
         reply = httpx.get(url, timeout=5.0)
     except httpx.HTTPError as exc:
-        raise _fail(f"the controller does not answer: {exc}") from exc
+        raise fail(f"the controller does not answer: {exc}") from exc
     if reply.status_code != 200:
-        raise _fail(f"the controller answers {reply.status_code}: {reply.text[:200]}")
+        raise fail(f"the controller answers {reply.status_code}: {reply.text[:200]}")
     console.print(reply.json())
 
 
@@ -284,14 +197,14 @@ def _load_spec_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise _fail(f"cannot read {path}: {exc}") from exc
+        raise fail(f"cannot read {path}: {exc}") from exc
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
         kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise _fail(f"{path} is not valid {kind}: {exc}") from exc
+        raise fail(f"{path} is not valid {kind}: {exc}") from exc
     if not isinstance(data, dict):
-        raise _fail(f"{path} must hold a mapping (the job spec)")
+        raise fail(f"{path} must hold a mapping (the job spec)")
     return data
 
 
@@ -300,7 +213,7 @@ def _parse_params(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
-            raise _fail(f"--param takes KEY=VALUE, got {pair!r}")
+            raise fail(f"--param takes KEY=VALUE, got {pair!r}")
         try:
             params[key] = json.loads(raw)
         except ValueError:
@@ -367,7 +280,7 @@ def submit(
         spec["task"] = {"name": task, "params": _parse_params(param or [])}
     elif param:
         if not isinstance(spec.get("task"), dict):
-            raise _fail("--param sets a task's parameter: give --task TASK too")
+            raise fail("--param sets a task's parameter: give --task TASK too")
         spec["task"].setdefault("params", {}).update(_parse_params(param))
     if script or module:
         spec["script"] = {"path": script, "module": module, "args": arg or []}
@@ -382,7 +295,7 @@ def submit(
         spec.setdefault("snapshot", {})["every_steps"] = snapshot_every_steps
     missing = missing_from_spec(spec)
     if missing:
-        raise _fail(f"{missing}; see `relaunch submit --help`")
+        raise fail(f"{missing}; see `relaunch submit --help`")
     with _api(url, refused="the controller refused the job: ") as client:
         job = client.submit(spec, idempotency_key)
     console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), state {job['state']}")
@@ -602,6 +515,22 @@ def demo(
     """
     raise typer.Exit(code=run_demo(console, port=port, keep_running=keep_running))
 
+
+def _add_plugged_in_commands() -> None:
+    """Add the commands that other packages plug in (see ``contract.cli``); one that does
+    not load is left out with a warning, and the others still work."""
+    for entry in entry_points(group=COMMANDS_GROUP):
+        try:
+            command = entry.load()
+        except Exception as exc:
+            logger.warning(
+                "relaunch %s is left out: %s does not load: %s", entry.name, entry.value, exc
+            )
+            continue
+        app.command(entry.name)(command)
+
+
+_add_plugged_in_commands()
 
 if __name__ == "__main__":
     app()

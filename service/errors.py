@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.protocol import StopReason
+from contract.protocol import StopReason
 
 
 class RelaunchError(Exception):

@@ -20,7 +20,7 @@ from sqlalchemy.orm.interfaces import ORMOption
 
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
-from service.events import add_event
+from service.job_events import add_event
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
 from service.spec import JobSpec, parse_nnodes
 from service.states import TERMINAL_JOB_STATES, JobState

@@ -8,13 +8,13 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
+from contract.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
 from service.attempts import assignment_for, drop_member
 from service.errors import NotFound, StaleState
 from service.models import Attempt, AttemptMember, Node
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
 from service.transitions import transition
-from worker.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from service.attempts import (
 )
 from service.db import transaction
 from service.errors import StaleState
-from service.events import add_event
+from service.job_events import add_event
 from service.jobs import change_job_state, explain_waiting, get_job
 from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.models import Attempt, AttemptMember, Job, Node

@@ -8,22 +8,36 @@ recorded, so the timeline says its processes are gone.
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from contract.events import (
+    EventData,
+    HangDetected,
+    LauncherExited,
+    RendezvousComplete,
+    SnapshotFailed,
+    SnapshotSaved,
+    SnapshotSkipped,
+    TrainingFinished,
+    TrainingProgress,
+    TrainingStarted,
+    WorkerFailed,
+)
+from contract.protocol import AttemptExit, AttemptReport, StopReason
 from service.attempts import drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
-from service.jobs import add_event, change_job_state, get_job
+from service.job_events import add_event
+from service.jobs import change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
 from service.nodes import get_node
-from service.schemas import JobSpec
 from service.states import AttemptState, JobState, MemberState
-from worker.protocol import AttemptExit, AttemptReport, EventKind, RuntimeEvent, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +59,7 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
     job = get_job(session, attempt.job_id, for_update=True)
     _store_logs(session, job, attempt, node, report)
     for event in report.events:
-        _apply_event(session, job, attempt, node, event, now)
+        _apply_event(event.data, _Applied(session, job, attempt, node, event.time, now))
     if report.exit is not None:
         _apply_exit(session, job, member, report.exit, now)
 
@@ -68,106 +82,59 @@ def _store_logs(
     )
 
 
-def _apply_event(
-    session: Session, job: Job, attempt: Attempt, node: Node, event: RuntimeEvent, now: datetime
-) -> None:
-    data = event.data
-    ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id, "data": data}
-    kind = event.kind
-    if kind is EventKind.RENDEZVOUS:
-        world = _int_or(data.get("world_size"), 0) or None
-        attempt.world_size = job.world_size = world
-        if data.get("group_rank") == 0:
-            add_event(
-                session,
-                job.id,
-                "rendezvous",
-                f"rendezvous of attempt {attempt.number} complete: world size {world}, "
-                f"{data.get('group_world_size')} node(s)",
-                event.time,
-                **ids,
-            )
-        if job.state is JobState.RESTARTING:
-            change_job_state(session, job, JobState.RUNNING, now, message="")
-    elif kind is EventKind.WORKER_FAILED:
-        _apply_worker_failed(session, job, attempt, node, event, now, ids)
-    elif kind is EventKind.HANG:
+@dataclass(frozen=True)
+class _Applied:
+    """Where an event is applied: the node's report on a running attempt of ``job``."""
+
+    session: Session
+    job: Job
+    attempt: Attempt
+    node: Node
+    time: datetime  # when the node saw it
+    now: datetime  # when the controller applies it
+
+    def add_event(self, kind: str, message: str, data: EventData) -> None:
+        """Put ``kind`` on the job's timeline with the event's payload, at the time the node
+        saw it."""
         add_event(
-            session,
-            job.id,
-            "hang_detected",
-            f"worker rank {data.get('global_rank')} (local rank {data.get('local_rank')} on "
-            f"node {node.name}) made no progress for {data.get('idle_s')} s (hang_timeout_s "
-            f"{data.get('timeout_s')}); its stack dump is in the logs, the workers restart",
-            event.time,
-            **ids,
+            self.session,
+            self.job.id,
+            kind,
+            message,
+            self.time,
+            attempt_id=self.attempt.id,
+            node_id=self.node.id,
+            data=data.model_dump(mode="json"),
         )
-    elif kind is EventKind.STARTED:
-        _apply_started(session, job, attempt, event, now, ids)
-    elif kind is EventKind.PROGRESS:
-        session.add(
-            Metric(
-                job_id=job.id,
-                attempt_id=attempt.id,
-                time=event.time,
-                step=_int_or(data.get("step"), 0),
-                epoch=_int_or(data.get("epoch"), 0),
-                loss=_float_or_none(data.get("loss")),
-                samples_per_s=_float_or_none(data.get("samples_per_s")),
-                world_size=_int_or(data.get("world_size"), 0),
-            )
-        )
-        job.last_step = _int_or(data.get("step"), 0)
-        job.last_loss = _float_or_none(data.get("loss"))
-    elif kind is EventKind.SNAPSHOT:
-        session.add(
-            Snapshot(
-                job_id=job.id,
-                attempt_id=attempt.id,
-                step=_int_or(data.get("step"), 0),
-                epoch=_int_or(data.get("epoch"), 0),
-                path=str(data.get("path", ""))[:4096],
-                bytes=_int_or(data.get("bytes"), 0, bits=64),
-                sha256=_sha256_or_none(data.get("sha256")),
-                world_size=_int_or_none(data.get("world_size")),
-                created_at=event.time,
-            )
-        )
-        add_event(
-            session,
-            job.id,
-            "snapshot_saved",
-            f"snapshot saved at step {data.get('step')}",
-            event.time,
-            **ids,
-        )
-    elif kind in _SNAPSHOT_TROUBLE:
-        name, what, field = _SNAPSHOT_TROUBLE[kind]
-        message = f"snapshot at step {data.get('step')} {what}: {str(data.get(field, ''))[:500]}"
-        add_event(session, job.id, name, message, event.time, **ids)
-    elif kind is EventKind.FINISHED:
-        job.last_step = _int_or(data.get("step"), job.last_step or 0)
-        add_event(
-            session,
-            job.id,
-            "training_finished",
-            f"training finished at step {data.get('step')}, loss {data.get('loss')}",
-            event.time,
-            **ids,
-        )
-    elif kind is EventKind.LAUNCHER_EXIT:
-        pass  # the exit report carries the outcome
+
+    def back_to_running(self) -> None:
+        """A job that restarts runs again once its workers do."""
+        if self.job.state is JobState.RESTARTING:
+            change_job_state(self.session, self.job, JobState.RUNNING, self.now, message="")
 
 
-def _apply_worker_failed(
-    session: Session,
-    job: Job,
-    attempt: Attempt,
-    node: Node,
-    event: RuntimeEvent,
-    now: datetime,
-    ids: dict[str, Any],
-) -> None:
+@functools.singledispatch
+def _apply_event(data: EventData, at: _Applied) -> None:
+    """Apply one runtime event, by the type of its payload (one handler per kind)."""
+    raise TypeError(f"no handler for a {type(data).__name__} event")
+
+
+@_apply_event.register
+def _rendezvous(data: RendezvousComplete, at: _Applied) -> None:
+    world = data.world_size or None
+    at.attempt.world_size = at.job.world_size = world
+    if data.group_rank == 0:
+        at.add_event(
+            "rendezvous",
+            f"rendezvous of attempt {at.attempt.number} complete: world size {world}, "
+            f"{data.group_world_size} node(s)",
+            data,
+        )
+    at.back_to_running()
+
+
+@_apply_event.register
+def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
     """Count a worker failure against the job's one restart budget, or fail the job.
 
     Failures that arrive while the job is already RESTARTING belong to the same
@@ -176,48 +143,180 @@ def _apply_worker_failed(
     own failure if it lives, and a peer that died with its node is a membership
     change.
     """
-    data = event.data
-    cause = str(data.get("cause") or "crash")
-    add_event(
-        session,
-        job.id,
+    job, cause = at.job, data.cause
+    at.add_event(
         "worker_failed",
-        f"worker rank {data.get('global_rank')} (local rank {data.get('local_rank')} on "
-        f"node {node.name}) {_exit_text(data)} [{cause.replace('_', ' ')}]",
-        event.time,
-        **ids,
+        f"worker rank {data.global_rank} (local rank {data.local_rank} on "
+        f"node {at.node.name}) {_exit_text(data)} [{cause.replace('_', ' ')}]",
+        data,
     )
     if not job.state.is_active():
         return
-    if data.get("fatal"):
-        _fail_job(session, job, attempt, now, f"{cause.replace('_', ' ')}: {_exit_text(data)}")
+    if data.fatal:
+        _fail_job(
+            at.session, job, at.attempt, at.now, f"{cause.replace('_', ' ')}: {_exit_text(data)}"
+        )
         return
     if job.state is not JobState.RUNNING or cause == "peer_lost":
         return
-    spec = JobSpec.model_validate(job.spec)
+    delay = _restart_or_fail(
+        at.session,
+        job,
+        at.attempt,
+        at.now,
+        cause=cause,
+        spent=lambda failures, most: (
+            f"restart budget spent: {failures} worker failures, max_restarts {most}; "
+            f"the last: {_exit_text(data)}"
+        ),
+        restarting=f"restarting the workers after a {cause.replace('_', ' ')}",
+        time=at.time,
+        node_id=at.node.id,
+    )
+    if delay is None:
+        return
+    change_job_state(
+        at.session, job, JobState.RESTARTING, at.now, message=f"worker failed ({cause})"
+    )
+
+
+@_apply_event.register
+def _hang(data: HangDetected, at: _Applied) -> None:
+    at.add_event(
+        "hang_detected",
+        f"worker rank {data.global_rank} (local rank {data.local_rank} on "
+        f"node {at.node.name}) made no progress for {data.idle_s} s (hang_timeout_s "
+        f"{data.timeout_s}); its stack dump is in the logs, the workers restart",
+        data,
+    )
+
+
+@_apply_event.register
+def _launcher_exit(data: LauncherExited, at: _Applied) -> None:
+    pass  # the exit report carries the outcome
+
+
+@_apply_event.register
+def _started(data: TrainingStarted, at: _Applied) -> None:
+    at.attempt.started_count += 1
+    if data.total_steps is not None:
+        at.job.total_steps = data.total_steps
+    if data.resumed_from_step is not None:
+        at.add_event(
+            "resumed",
+            f"training resumed from snapshot at step {data.resumed_from_step} "
+            f"(world size {data.world_size})",
+            data,
+        )
+    else:
+        at.add_event(
+            "training_started",
+            f"training started from scratch (world size {data.world_size})",
+            data,
+        )
+    at.back_to_running()
+
+
+@_apply_event.register
+def _progress(data: TrainingProgress, at: _Applied) -> None:
+    at.session.add(
+        Metric(
+            job_id=at.job.id,
+            attempt_id=at.attempt.id,
+            time=at.time,
+            step=data.step,
+            epoch=data.epoch,
+            loss=data.loss,
+            samples_per_s=data.samples_per_s,
+            world_size=data.world_size,
+        )
+    )
+    at.job.last_step = data.step
+    at.job.last_loss = data.loss
+
+
+@_apply_event.register
+def _snapshot_saved(data: SnapshotSaved, at: _Applied) -> None:
+    at.session.add(
+        Snapshot(
+            job_id=at.job.id,
+            attempt_id=at.attempt.id,
+            step=data.step,
+            epoch=data.epoch,
+            path=data.path,
+            bytes=data.bytes,
+            sha256=data.sha256,
+            world_size=data.world_size,
+            created_at=at.time,
+        )
+    )
+    at.add_event("snapshot_saved", f"snapshot saved at step {data.step}", data)
+
+
+@_apply_event.register
+def _snapshot_failed(data: SnapshotFailed, at: _Applied) -> None:
+    at.add_event(
+        "snapshot_failed",
+        f"snapshot at step {data.step} failed, training goes on: {data.error[:500]}",
+        data,
+    )
+
+
+@_apply_event.register
+def _snapshot_skipped(data: SnapshotSkipped, at: _Applied) -> None:
+    at.add_event(
+        "snapshot_skipped",
+        f"snapshot at step {data.step} skipped on resume: {data.reason[:500]}",
+        data,
+    )
+
+
+@_apply_event.register
+def _finished(data: TrainingFinished, at: _Applied) -> None:
+    at.job.last_step = data.step if data.step is not None else at.job.last_step or 0
+    at.add_event(
+        "training_finished", f"training finished at step {data.step}, loss {data.loss}", data
+    )
+
+
+def _restart_or_fail(
+    session: Session,
+    job: Job,
+    attempt: Attempt,
+    now: datetime,
+    *,
+    cause: str,
+    spent: Callable[[int, int], str],
+    restarting: str,
+    time: datetime,
+    node_id: int | None = None,
+) -> float | None:
+    """Count a failure (``cause``) against the job's one restart budget.
+
+    Within ``max_restarts``: records the "restarting" event (``restarting`` says
+    what restarts; "(restart N of M, after D s back-off)" follows) and returns the
+    back-off before the restart; the caller moves the job on. Past it: fails the
+    attempt and the job with ``spent(failures, max_restarts)`` and returns None.
+    Either way the failure is counted in ``job.restart_count``.
+    """
+    spec = job.job_spec
     job.restart_count += 1
     if job.restart_count > spec.max_restarts:
-        _fail_job(
-            session,
-            job,
-            attempt,
-            now,
-            f"restart budget spent: {job.restart_count} worker failures, max_restarts "
-            f"{spec.max_restarts}; the last: {_exit_text(data)}",
-        )
-        return
-    change_job_state(session, job, JobState.RESTARTING, now, message=f"worker failed ({cause})")
+        _fail_job(session, job, attempt, now, spent(job.restart_count, spec.max_restarts))
+        return None
     delay = spec.restart_policy().delay_s(job.restart_count)
     add_event(
         session,
         job.id,
         "restarting",
-        f"restarting the workers after a {cause.replace('_', ' ')} (restart "
-        f"{job.restart_count} of {spec.max_restarts}"
+        f"{restarting} (restart {job.restart_count} of {spec.max_restarts}"
         + (f", after {delay:g} s back-off)" if delay else ")"),
-        event.time,
-        **{**ids, "data": {"cause": cause, "restart": job.restart_count, "backoff_s": delay}},
+        time,
+        attempt_id=attempt.id,
+        node_id=node_id,
+        data={"cause": cause, "restart": job.restart_count, "backoff_s": delay},
     )
+    return delay
 
 
 def _fail_job(session: Session, job: Job, attempt: Attempt, now: datetime, why: str) -> None:
@@ -226,31 +325,6 @@ def _fail_job(session: Session, job: Job, attempt: Attempt, now: datetime, why: 
         end_attempt(session, attempt, AttemptState.FAILED, now, why[:2000])
     change_job_state(session, job, JobState.FAILED, now, message=why[:2000])
     add_event(session, job.id, "failed", f"job failed: {why}", now, attempt_id=attempt.id)
-
-
-def _apply_started(
-    session: Session,
-    job: Job,
-    attempt: Attempt,
-    event: RuntimeEvent,
-    now: datetime,
-    ids: dict[str, Any],
-) -> None:
-    data = event.data
-    attempt.started_count += 1
-    world = data.get("world_size")
-    if data.get("total_steps") is not None:
-        job.total_steps = _int_or_none(data["total_steps"])
-    resumed = data.get("resumed_from_step")
-    if resumed is not None:
-        message = f"training resumed from snapshot at step {resumed} (world size {world})"
-        kind = "resumed"
-    else:
-        message = f"training started from scratch (world size {world})"
-        kind = "training_started"
-    add_event(session, job.id, kind, message, event.time, **ids)
-    if job.state is JobState.RESTARTING:
-        change_job_state(session, job, JobState.RUNNING, now, message="")
 
 
 def _apply_exit(
@@ -288,26 +362,25 @@ def _launcher_failed(
 ) -> None:
     """A node's launcher gave up. Fatal: the job fails. Otherwise the controller re-forms
     the job itself (a new attempt, after the back-off), which costs one restart."""
-    spec = JobSpec.model_validate(job.spec)
-    if exit.fatal or job.restart_count + 1 > spec.max_restarts:
+    if exit.fatal:
         _fail_job(session, job, attempt, now, why)
         return
+    delay = _restart_or_fail(
+        session,
+        job,
+        attempt,
+        now,
+        cause="launcher_failed",
+        spent=lambda failures, most: why,
+        restarting=f"the launcher of attempt {attempt.number} failed; the job is placed "
+        "again as a new attempt",
+        time=now,
+    )
+    if delay is None:
+        return
     end_attempt(session, attempt, AttemptState.FAILED, now, why[:2000])
-    job.restart_count += 1
-    delay = spec.restart_policy().delay_s(job.restart_count)
     change_job_state(session, job, JobState.WAITING, now, message="relaunching")
     job.waiting_since, job.not_before = now, now + timedelta(seconds=delay)
-    add_event(
-        session,
-        job.id,
-        "restarting",
-        f"the launcher of attempt {attempt.number} failed; the job is placed again as a new "
-        f"attempt (restart {job.restart_count} of {spec.max_restarts}"
-        + (f", after {delay:g} s back-off)" if delay else ")"),
-        now,
-        attempt_id=attempt.id,
-        data={"cause": "launcher_failed", "restart": job.restart_count, "backoff_s": delay},
-    )
 
 
 def _record_stale_exit(
@@ -335,46 +408,7 @@ def _record_stopped(
     )
 
 
-# Runtime events about a snapshot that was not written or not used:
-# (timeline kind, what happened, the data field that says why).
-_SNAPSHOT_TROUBLE = {
-    EventKind.SNAPSHOT_FAILED: ("snapshot_failed", "failed, training goes on", "error"),
-    EventKind.SNAPSHOT_SKIPPED: ("snapshot_skipped", "skipped on resume", "reason"),
-}
-
-
-def _int_or(value: Any, default: int, bits: int = 32) -> int:
-    number = _int_or_none(value, bits)
-    return default if number is None else number
-
-
-def _int_or_none(value: Any, bits: int = 32) -> int | None:
-    """A number for a column of ``bits`` bits, or None for what is not one (or does not
-    fit)."""
-    try:
-        number = None if value is None else int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    bound = 2 ** (bits - 1)
-    return number if number is None or -bound <= number < bound else None
-
-
-def _sha256_or_none(value: Any) -> str | None:
-    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
-        return value
-    return None
-
-
-def _float_or_none(value: Any) -> float | None:
-    """A finite number, or None (NaN and infinities are not valid JSON to send back)."""
-    try:
-        number = None if value is None else float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return number if number is None or math.isfinite(number) else None
-
-
-def _exit_text(data: dict[str, Any]) -> str:
-    code = f"exited with code {data.get('exitcode')}"
-    message = str(data.get("message") or "")[:500]
+def _exit_text(data: WorkerFailed) -> str:
+    code = f"exited with code {data.exitcode}"
+    message = data.message[:500]
     return code if not message or message.startswith(code) else f"{code}: {message}"

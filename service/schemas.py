@@ -7,10 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.fields import PlainText
 from service.models import Role
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
-from worker.protocol import PlainText
 
 
 class _Strict(BaseModel):

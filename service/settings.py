@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.runtime.storage import is_url
+from contract.paths import is_url
 
 
 def _default_data_dir() -> Path:

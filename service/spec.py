@@ -12,8 +12,8 @@ from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.protocol import RestartPolicy
-from worker.tasks.registry import TASKS, task_args
+from contract.protocol import RestartPolicy
+from contract.tasks import TASKS, task_args
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

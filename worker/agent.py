@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from types import FrameType
 
+from contract.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
 from worker import procs
 from worker.attempt import Attempt, attempt_marker
 from worker.client import (
@@ -40,7 +41,6 @@ from worker.client import (
     FencedError,
     UnknownNodeError,
 )
-from worker.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
 from worker.settings import AgentSettings
 
 logger = logging.getLogger(__name__)

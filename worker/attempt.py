@@ -34,10 +34,10 @@ from typing import IO, Literal, NamedTuple
 
 import psutil
 
-from worker import procs
-from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
-from worker.paths import inside
-from worker.protocol import (
+from contract.events import LauncherExited
+from contract.labels import log_label
+from contract.paths import inside, is_url
+from contract.protocol import (
     ATTEMPT_ID_ENV,
     ATTEMPT_NUMBER_ENV,
     EVENTS_FILE_ENV,
@@ -53,12 +53,11 @@ from worker.protocol import (
     Assignment,
     AttemptExit,
     AttemptReport,
-    EventKind,
     LogLine,
     RunningAttempt,
 )
-from worker.runtime.labels import log_label
-from worker.runtime.storage import is_url
+from worker import procs
+from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.settings import AgentSettings
 
 logger = logging.getLogger(__name__)
@@ -398,9 +397,9 @@ class Attempt:
             grace = min(1.0, self._settings.stop_grace_s)
             outcome = procs.kill_all(leftovers, grace, marker=self.marker)
             clean = outcome.clean
-        last = self._events.last_of_kind(EventKind.LAUNCHER_EXIT)
+        last = self._events.last_of(LauncherExited)
         if last is not None:
-            message = str(last.data.get("message", ""))
+            message = last.message
         else:
             message = f"launcher exited with code {code} without a launcher_exit event"
         self.exit = AttemptExit(
@@ -408,7 +407,7 @@ class Attempt:
             exit_code=code,
             message=message,
             clean=clean,
-            fatal=code != 0 and last is not None and bool(last.data.get("fatal")),
+            fatal=code != 0 and last is not None and last.fatal,
         )
         logger.info("%s launcher exited: %s", self._ctx, self.exit)
         return True

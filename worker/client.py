@@ -27,7 +27,7 @@ import httpx
 import tenacity
 from pydantic import BaseModel, ValidationError
 
-from worker.protocol import (
+from contract.protocol import (
     AttemptReport,
     Heartbeat,
     HeartbeatReply,

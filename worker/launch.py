@@ -6,7 +6,7 @@ Usage::
 
 It parses the torchrun arguments with torchrun's own parser and calls
 ``torch.distributed.run.run``. What the elastic agent decides is written to
-``F`` as data (``protocol.RuntimeEvent`` JSON lines; one ``os.write`` per line
+``F`` as data (``contract.events`` JSON lines; one ``os.write`` per line
 on an ``O_APPEND`` descriptor, so lines from several writers never interleave):
 
 - RENDEZVOUS after every rendezvous round,
@@ -38,13 +38,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
+from contract.events import HangDetected, LauncherExited, RendezvousComplete, WorkerFailed
+from contract.labels import label_from_environ
+from contract.protocol import RestartPolicy
 from worker import procs
 from worker.bootstrap import STACK_DUMP_SIGNAL
-from worker.protocol import EventKind, RestartPolicy
 from worker.runtime.events import EventWriter
-from worker.runtime.labels import label_from_environ
 from worker.runtime.progress import progress_file
 
 logger = logging.getLogger(__name__)
@@ -141,13 +142,14 @@ class Supervision:
                 self.fatal = f"{cause.replace('_', ' ')} on rank {global_rank}: {message}"
             fatal = fatal or is_fatal
             self.events.emit(
-                EventKind.WORKER_FAILED,
-                local_rank=failure.local_rank,
-                global_rank=global_rank,
-                exitcode=failure.exitcode,
-                message=message,
-                cause=cause,
-                fatal=is_fatal,
+                WorkerFailed(
+                    local_rank=failure.local_rank,
+                    global_rank=global_rank,
+                    exitcode=failure.exitcode,
+                    message=message,
+                    cause=cause,
+                    fatal=is_fatal,
+                )
             )
         self.hung_pids.clear()
         return fatal
@@ -188,11 +190,12 @@ class Supervision:
                 _CTX, worker.global_rank, worker.local_rank, worker.id, idle,
             )  # fmt: skip
             self.events.emit(
-                EventKind.HANG,
-                local_rank=worker.local_rank,
-                global_rank=worker.global_rank,
-                idle_s=round(idle, 1),
-                timeout_s=self.hang_timeout_s,
+                HangDetected(
+                    local_rank=worker.local_rank,
+                    global_rank=worker.global_rank,
+                    idle_s=round(idle, 1),
+                    timeout_s=self.hang_timeout_s,
+                )
             )
         for worker in all_workers:
             _signal(worker.id, STACK_DUMP_SIGNAL)
@@ -260,11 +263,12 @@ def install_event_hooks(supervision: Supervision) -> None:
             restart_count,
         )
         emit(
-            EventKind.RENDEZVOUS,
-            world_size=world_size,
-            group_rank=worker_group.group_rank,
-            group_world_size=worker_group.group_world_size,
-            restart_count=restart_count,
+            RendezvousComplete(
+                world_size=world_size,
+                group_rank=worker_group.group_rank,
+                group_world_size=worker_group.group_world_size,
+                restart_count=restart_count,
+            )
         )
 
     @functools.wraps(original_monitor)
@@ -301,7 +305,7 @@ def install_event_hooks(supervision: Supervision) -> None:
 
 def run_torchrun(
     torchrun_args: Sequence[str], supervision: Supervision | None = None
-) -> tuple[str, int, str]:
+) -> tuple[Literal["succeeded", "failed"], int, str]:
     """Run torch's elastic launcher in this process; return (outcome, exit code, message)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -383,11 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         outcome, exitcode, message = run_torchrun(torchrun_args, supervision)
         events.emit(
-            EventKind.LAUNCHER_EXIT,
-            outcome=outcome,
-            exitcode=exitcode,
-            message=bounded(message),
-            fatal=supervision.fatal is not None,
+            LauncherExited(
+                outcome=outcome,
+                exitcode=exitcode,
+                message=bounded(message),
+                fatal=supervision.fatal is not None,
+            )
         )
         logger.info("%s launcher exit: %s (%s) %s", _CTX, outcome, exitcode, message)
     finally:

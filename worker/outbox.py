@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import ValidationError
 
-from worker.protocol import EventKind, LogLine, RuntimeEvent
+from contract.events import EventData, RuntimeEvent, parse_event
+from contract.protocol import LogLine
 
 logger = logging.getLogger(__name__)
+
+D = TypeVar("D", bound=EventData)
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,12 @@ class EventBatch:
 
 
 class EventsTail:
-    """Reads the attempt's events file from the last delivered offset."""
+    """Reads the attempt's events file from the last delivered offset.
+
+    Each line is validated here (``contract.events``): one that is not a valid
+    event (a worker may write anything into the file) is logged and dropped, and
+    the lines around it are still delivered.
+    """
 
     _CHUNK = 1 << 20
 
@@ -116,7 +125,7 @@ class EventsTail:
                 break
             consumed += len(line)
             try:
-                events.append(RuntimeEvent.model_validate_json(line))
+                events.append(parse_event(line))
             except ValidationError as exc:
                 logger.warning("%s: skipping a bad event line: %s", self.path, exc)
         complete = consumed == len(data)
@@ -125,8 +134,9 @@ class EventsTail:
     def commit(self, batch: EventBatch) -> None:
         self._offset = batch.next_offset
 
-    def last_of_kind(self, kind: EventKind, *, tail_bytes: int = 1 << 16) -> RuntimeEvent | None:
-        """The last event of ``kind`` within the file's final ``tail_bytes``."""
+    def last_of(self, kind: type[D], *, tail_bytes: int = 1 << 16) -> D | None:
+        """The payload of the last valid event of ``kind`` within the file's final
+        ``tail_bytes``."""
         try:
             with self.path.open("rb") as fp:
                 fp.seek(max(0, self.path.stat().st_size - tail_bytes))
@@ -135,9 +145,9 @@ class EventsTail:
             return None
         for line in reversed(data.splitlines()):
             try:
-                event = RuntimeEvent.model_validate_json(line)
+                event = parse_event(line)
             except ValidationError:
                 continue
-            if event.kind == kind:
-                return event
+            if isinstance(event.data, kind):
+                return event.data
         return None

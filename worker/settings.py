@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contract.protocol import DEFAULT_CONTROLLER_URL
+
 NODE_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
-# A controller on this host at its default port (RELAUNCH_PORT): the one-host setup.
-DEFAULT_CONTROLLER_URL = "http://127.0.0.1:8080"
 
 
 def default_node_name() -> str:

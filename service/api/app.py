@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 
+from contract.protocol import ReportRefused
 from service import auth
 from service.api import health, jobs, nodes, users
 from service.api.body_limit import BodyLimit
@@ -40,7 +41,6 @@ from service.schemas import Problem
 from service.settings import ControllerSettings
 from service.states import InvalidTransition
 from service.store import StoreSupervisor
-from worker.protocol import ReportRefused
 
 logger = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"

@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from contract.protocol import (
+    AttemptReport,
+    Heartbeat,
+    HeartbeatReply,
+    NodeLeave,
+    NodeLeft,
+    NodeRegister,
+    NodeRegistered,
+    ReportAccepted,
+)
 from service import auth, nodes, reports
 from service.api.deps import (
     EnrolledDep,
@@ -25,16 +35,6 @@ from service.api.deps import (
 from service.db import retry_on_stale
 from service.models import Role
 from service.schemas import NodePublic, NodesPublic
-from worker.protocol import (
-    AttemptReport,
-    Heartbeat,
-    HeartbeatReply,
-    NodeLeave,
-    NodeLeft,
-    NodeRegister,
-    NodeRegistered,
-    ReportAccepted,
-)
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
 

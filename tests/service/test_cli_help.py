@@ -9,9 +9,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from contract.protocol import DEFAULT_CONTROLLER_URL
+from contract.tasks import TASKS
 from service.cli import app
-from worker.settings import DEFAULT_CONTROLLER_URL, AgentSettings
-from worker.tasks.registry import TASKS
+from worker.settings import AgentSettings
 
 
 def commands(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import contract.cli
 from service import cli
 from service.timeline import print_timeline
 
@@ -25,8 +26,8 @@ def test_a_timeline_message_with_brackets_prints_as_it_is(
 
 
 def test_an_error_with_brackets_prints_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
-    cli.err_console.width = 400
-    cli._fail(GLOO_ERROR)
+    contract.cli.err_console.width = 400
+    contract.cli.fail(GLOO_ERROR)
     assert "[/__w/pytorch" in capsys.readouterr().err
 
 

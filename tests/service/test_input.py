@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from contract.paths import UnsafePath, inside, plain_name
 from service.schemas import JobCreate
 from tests.service.helpers import Cluster, bearer, heartbeat, register
-from worker.paths import UnsafePath, inside, plain_name
 
 SPEC: dict[str, Any] = {"name": "j", "task": {"name": "regression", "params": {"epochs": 2}}}
 

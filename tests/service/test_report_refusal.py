@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from contract.protocol import ReportRefused, StopReason
 from service.reconciler import Reconciler
 from tests.service.helpers import Cluster
-from worker.protocol import ReportRefused, StopReason
 
 
 def _register(api: Cluster, name: str) -> int:

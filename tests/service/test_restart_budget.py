@@ -189,3 +189,21 @@ def test_a_node_leaving_and_joining_counts_as_membership_changes_not_restarts(
     assert (d["state"], d["restart_count"], d["membership_changes"]) == ("RUNNING", 0, 2)
     left, joined = _events(api, job_id, "node_left"), _events(api, job_id, "node_joined")
     assert [e["data"]["cause"] for e in left + joined] == ["node_left", "node_joined"]
+
+
+def test_worker_and_launcher_failures_spend_one_budget_and_fail_the_job_alike(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    a, job_id, attempt_id = _placed_alone(api, reconciler, max_restarts=1)
+    _fail_worker(api, a, attempt_id)
+    _rendezvous_again(api, a, attempt_id)
+    assert (job(api, job_id)["state"], job(api, job_id)["restart_count"]) == ("RUNNING", 1)
+    exit = {"outcome": "failed", "exit_code": 1, "message": "RendezvousTimeoutError"}
+    assert report(api, a, attempt_id, exit=exit).status_code == 200
+    d = job(api, job_id)
+    assert d["state"] == "FAILED"
+    assert d["restart_count"] == 2  # the failure that spent the budget counts, as a worker's
+    assert d["message"] == "RendezvousTimeoutError"
+    assert d["attempts"][0]["state"] == "FAILED"
+    causes = [e["data"]["cause"] for e in _events(api, job_id, "restarting")]
+    assert causes == ["crash"]

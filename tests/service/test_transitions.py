@@ -8,13 +8,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.protocol import Heartbeat, NodeRegister
 from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
 from service.models import Job, Node
 from service.nodes import heartbeat, leave, mark_lost, register_node
 from service.settings import ControllerSettings
 from service.states import AttemptState, InvalidTransition, JobState, NodeState
 from service.transitions import transition
-from worker.protocol import Heartbeat, NodeRegister
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -3,9 +3,7 @@
 import os
 from pathlib import Path
 
-from worker.agent import NodeAgent
-from worker.client import ControllerClient, ControllerUnavailableError, UnknownNodeError
-from worker.protocol import (
+from contract.protocol import (
     AttemptReport,
     Heartbeat,
     HeartbeatReply,
@@ -15,6 +13,8 @@ from worker.protocol import (
     NodeRegistered,
     ReportAccepted,
 )
+from worker.agent import NodeAgent
+from worker.client import ControllerClient, ControllerUnavailableError, UnknownNodeError
 from worker.settings import AgentSettings
 
 

@@ -21,13 +21,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from tests.helpers import wait_for
-from worker import procs
-from worker.protocol import (
+from contract.events import EventKind
+from contract.protocol import (
     Assignment,
     AttemptReport,
     Entrypoint,
-    EventKind,
     Heartbeat,
     HeartbeatReply,
     NodeRegister,
@@ -35,6 +33,8 @@ from worker.protocol import (
     RendezvousConfig,
     ReportAccepted,
 )
+from tests.helpers import wait_for
+from worker import procs
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = f"agent-test-{uuid.uuid4().hex[:8]}"

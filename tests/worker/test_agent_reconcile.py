@@ -1,5 +1,5 @@
+from contract.protocol import Assignment, Entrypoint, RendezvousConfig
 from worker.agent import plan_reconcile
-from worker.protocol import Assignment, Entrypoint, RendezvousConfig
 
 
 def _assignment(attempt_id: int) -> Assignment:

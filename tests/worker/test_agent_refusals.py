@@ -10,6 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from contract.events import TrainingProgress, runtime_event
+from contract.protocol import (
+    Assignment,
+    AttemptReport,
+    Entrypoint,
+    NodeRegister,
+    NodeRegistered,
+    RendezvousConfig,
+    ReportAccepted,
+    StopReason,
+)
 from service.local_cluster import LocalCluster, free_port
 from worker.agent import NodeAgent
 from worker.attempt import Attempt
@@ -18,18 +29,6 @@ from worker.client import (
     ControllerError,
     EnrolmentRefusedError,
     FencedError,
-)
-from worker.protocol import (
-    Assignment,
-    AttemptReport,
-    Entrypoint,
-    EventKind,
-    NodeRegister,
-    NodeRegistered,
-    RendezvousConfig,
-    ReportAccepted,
-    RuntimeEvent,
-    StopReason,
 )
 from worker.settings import AgentSettings
 
@@ -95,7 +94,7 @@ def _attempt_with_output(tmp_path: Path, settings: AgentSettings) -> Attempt:
     )
     attempt = Attempt(assignment, settings)  # never started: stopping it only records how
     attempt.events_path.parent.mkdir(parents=True)
-    event = RuntimeEvent(time=datetime.now(UTC), kind=EventKind.PROGRESS, data={"step": 1})
+    event = runtime_event(TrainingProgress(step=1), datetime.now(UTC))
     attempt.events_path.write_text(event.model_dump_json() + "\n")
     return attempt
 

@@ -5,6 +5,8 @@ from string import Template
 
 import pytest
 
+from contract.events import LauncherExited, TrainingProgress, runtime_event
+from contract.protocol import Assignment, Entrypoint, LogLine, RendezvousConfig
 from worker.attempt import (
     LOG_LINE_PREFIX_TEMPLATE,
     attempt_label,
@@ -14,14 +16,6 @@ from worker.attempt import (
     parse_console_line,
 )
 from worker.outbox import EventsTail, LogOutbox
-from worker.protocol import (
-    Assignment,
-    Entrypoint,
-    EventKind,
-    LogLine,
-    RendezvousConfig,
-    RuntimeEvent,
-)
 from worker.settings import AgentSettings
 
 
@@ -225,21 +219,21 @@ def test_events_tail_reads_complete_lines_from_the_delivered_offset(tmp_path: Pa
     assert tail.peek(10).events == []
 
     def event(step: int) -> str:
-        ev = RuntimeEvent(time=datetime.now(UTC), kind=EventKind.PROGRESS, data={"step": step})
+        ev = runtime_event(TrainingProgress(step=step), datetime.now(UTC))
         return ev.model_dump_json() + "\n"
 
     path.write_text(event(1) + "not json\n" + event(2) + event(3)[:10])
     batch = tail.peek(10)
-    assert [e.data["step"] for e in batch.events] == [1, 2]
+    assert [e.data.step for e in batch.events] == [1, 2]
     assert batch.complete is False  # a partial line is pending
     tail.commit(batch)
     with path.open("a") as fp:
         fp.write(event(3)[10:] + event(4))
     first = tail.peek(1)
-    assert [e.data["step"] for e in first.events] == [3]
+    assert [e.data.step for e in first.events] == [3]
     tail.commit(first)
     last = tail.peek(10)
-    assert [e.data["step"] for e in last.events] == [4] and last.complete
+    assert [e.data.step for e in last.events] == [4] and last.complete
 
 
 def test_events_tail_finds_the_launcher_exit(tmp_path: Path) -> None:
@@ -249,9 +243,9 @@ def test_events_tail_finds_the_launcher_exit(tmp_path: Path) -> None:
         {"time": "2026-01-01T00:00:01Z", "kind": "launcher_exit", "data": {"message": "m"}},
     ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    found = EventsTail(path).last_of_kind(EventKind.LAUNCHER_EXIT)
-    assert found is not None and found.data["message"] == "m"
-    assert EventsTail(tmp_path / "none").last_of_kind(EventKind.LAUNCHER_EXIT) is None
+    found = EventsTail(path).last_of(LauncherExited)
+    assert found is not None and found.message == "m"
+    assert EventsTail(tmp_path / "none").last_of(LauncherExited) is None
 
 
 def test_markers_of_two_agents_with_one_node_name_differ(tmp_path: Path) -> None:

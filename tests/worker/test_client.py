@@ -1,6 +1,7 @@
 import httpx
 import pytest
 
+from contract.protocol import AttemptReport, Heartbeat, NodeRegister, StopReason
 from worker.client import (
     ControllerClient,
     ControllerError,
@@ -9,7 +10,6 @@ from worker.client import (
     FencedError,
     UnknownNodeError,
 )
-from worker.protocol import AttemptReport, Heartbeat, NodeRegister, StopReason
 
 ENROL = "enrolment-secret"
 REGISTERED = {"node_id": 1, "heartbeat_interval_s": 1.0, "node_token": "rln_one"}

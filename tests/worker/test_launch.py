@@ -113,8 +113,8 @@ def test_bad_torchrun_arguments_still_end_with_a_launcher_exit(tmp_path: Path) -
 def test_a_long_worker_error_still_fits_in_one_event_line(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from contract.events import WorkerFailed, parse_event
     from worker.launch import MAX_MESSAGE_CHARS, failure_message
-    from worker.protocol import EventKind, RuntimeEvent
     from worker.runtime.events import EventWriter
 
     traceback = "Traceback (most recent call last):\n" + "  frame\n" * 5000
@@ -126,8 +126,7 @@ def test_a_long_worker_error_still_fits_in_one_event_line(tmp_path: Path) -> Non
     assert message.startswith("Traceback") and message.endswith("...")
     path = tmp_path / "events.jsonl"
     with EventWriter(path) as events:
-        events.emit(
-            EventKind.WORKER_FAILED, local_rank=0, global_rank=0, exitcode=1, message=message
-        )
+        events.emit(WorkerFailed(local_rank=0, global_rank=0, exitcode=1, message=message))
     [line] = path.read_text().splitlines()
-    assert RuntimeEvent.model_validate_json(line).data["message"] == message
+    event = parse_event(line)
+    assert isinstance(event.data, WorkerFailed) and event.data.message == message

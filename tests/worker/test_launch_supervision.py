@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from contract.events import EventKind
+from contract.protocol import RestartPolicy
 from worker.launch import Supervision
-from worker.protocol import EventKind, RestartPolicy
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
 

@@ -5,7 +5,6 @@ them does not pull in the others):
 
 - ``env``: the launcher's environment (``DistEnv``) and process-group set-up.
 - ``events``: ``EventWriter``, rank 0's JSON-lines channel to the node agent.
-- ``labels``: how log lines name the job, attempt, node and rank (no torch).
 - ``snapshot``: ``TrainingState``, what a snapshot holds; its manifest, atomic save
   and newest verified load; ``storage`` where the files live (a directory or an
   fsspec URL); ``saver`` background writes; ``rng`` its RNG states;

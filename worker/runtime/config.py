@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.protocol import (
+from contract.paths import is_url
+from contract.protocol import (
     SNAPSHOT_ASYNC_ENV,
     SNAPSHOT_DIR_ENV,
     SNAPSHOT_EVERY_EPOCHS_ENV,
@@ -22,7 +23,6 @@ from worker.protocol import (
     SNAPSHOT_KEEP_ENV,
 )
 from worker.runtime.snapshot import FAULT_POINTS
-from worker.runtime.storage import is_url
 
 DEFAULT_SNAPSHOT_DIR = "./snapshots"
 

@@ -1,4 +1,4 @@
-"""Rank 0's channel to the node agent: one JSON line per ``RuntimeEvent``.
+"""Rank 0's channel to the node agent: one JSON line per runtime event.
 
 The agent tails the file named by ``RELAUNCH_EVENTS_FILE``; the launcher of the
 same node may append to it too. Each event is encoded to one line and written
@@ -13,29 +13,27 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from types import TracebackType
-from typing import Any
 
-from worker.protocol import EVENTS_FILE_ENV, EventKind, RuntimeEvent
+from contract.events import MAX_LINE_BYTES, EventData, runtime_event
+from contract.protocol import EVENTS_FILE_ENV
 
 logger = logging.getLogger(__name__)
 
-MAX_LINE_BYTES = 4096
 
+def encode_event(data: EventData, now: datetime | None = None) -> bytes:
+    """One newline-terminated JSON line for the event that carries ``data``.
 
-def encode_event(kind: EventKind, data: Mapping[str, Any], now: datetime | None = None) -> bytes:
-    """One newline-terminated JSON line for ``kind`` and ``data``.
-
-    The shape is ``protocol.RuntimeEvent``: ``{"time", "kind", "data"}`` with
-    ``time`` an ISO 8601 UTC timestamp. Raises ``ValueError`` if the line would be
-    ``MAX_LINE_BYTES`` or longer (it could no longer be appended atomically).
+    The shape is ``contract.events.RuntimeEvent``: ``{"time", "kind", "data"}``
+    with ``time`` an ISO 8601 UTC timestamp. Raises ``ValueError`` if the line
+    would be ``MAX_LINE_BYTES`` or longer (it could no longer be appended
+    atomically).
     """
-    event = RuntimeEvent(time=now or datetime.now(UTC), kind=kind, data=dict(data))
-    line = event.model_dump_json().encode() + b"\n"
+    line = runtime_event(data, now).model_dump_json().encode() + b"\n"
     if len(line) >= MAX_LINE_BYTES:
         raise ValueError(
-            f"{kind.value} event is {len(line)} bytes encoded; events must stay under "
+            f"{data.kind.value} event is {len(line)} bytes encoded; events must stay under "
             f"{MAX_LINE_BYTES} bytes"
         )
     return line
@@ -70,11 +68,12 @@ class EventWriter:
     def path(self) -> str | None:
         return self._path
 
-    def emit(self, kind: EventKind, **data: Any) -> None:
-        """Append one event; ``data`` must be JSON-serializable and small (see ``encode_event``)."""
+    def emit(self, data: EventData) -> None:
+        """Append the event that carries ``data``; it must be small (see ``encode_event``)."""
         if self._path is None:
             return
-        line = encode_event(kind, data)
+        kind = data.kind
+        line = encode_event(data)
         try:
             if self._fd is None:
                 flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC

@@ -20,7 +20,7 @@ import os
 from datetime import timedelta
 from typing import Protocol
 
-from worker.protocol import JOB_ID_ENV, STORE_ENDPOINT_ENV
+from contract.protocol import JOB_ID_ENV, STORE_ENDPOINT_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from worker.protocol import PROGRESS_DIR_ENV
+from contract.protocol import PROGRESS_DIR_ENV
 
 _path: Path | None = None
 _disabled = False

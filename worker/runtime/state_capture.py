@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from worker.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV
+from contract.protocol import ATTEMPT_ID_ENV, JOB_ID_ENV
 from worker.runtime.rng import RngState
 from worker.runtime.saver import copy_off
 from worker.runtime.snapshot import TrainingState

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from worker.paths import inside, plain_name
+from contract.paths import inside, is_url, plain_name
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +233,6 @@ class FsspecStorage(Storage):
 
     def size(self, name: str) -> int:
         return int(self.fs.size(self._full(name)))
-
-
-def is_url(location: str) -> bool:
-    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) is not None
 
 
 def open_storage(location: str | os.PathLike[str] | Storage) -> Storage:

@@ -31,7 +31,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from worker.protocol import EventKind
+from contract.events import (
+    SnapshotFailed,
+    SnapshotSaved,
+    SnapshotSkipped,
+    TrainingFinished,
+    TrainingProgress,
+    TrainingStarted,
+)
+from contract.paths import is_url
 from worker.runtime.collectives import agree_on_snapshot, mean_across_ranks
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
@@ -49,7 +57,6 @@ from worker.runtime.sampler import ResumableDistributedSampler, steps_left
 from worker.runtime.saver import SnapshotSaver
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
 from worker.runtime.state_capture import capture_state, restore_state
-from worker.runtime.storage import is_url
 
 __all__ = ["LossFn", "OptimizerFactory", "TrainResult", "Trainer", "TrainerConfig"]
 
@@ -163,11 +170,12 @@ class Trainer:
     def _train(self) -> TrainResult:
         cfg = self.config
         self.events.emit(
-            EventKind.STARTED,
-            world_size=self.world_size,
-            restart_count=self.env.restart_count,
-            resumed_from_step=self.resumed_from_step,
-            total_steps=self._total_steps(),
+            TrainingStarted(
+                world_size=self.world_size,
+                restart_count=self.env.restart_count,
+                resumed_from_step=self.resumed_from_step,
+                total_steps=self._total_steps(),
+            )
         )
         if self.rank == 0:
             logger.info(
@@ -190,7 +198,7 @@ class Trainer:
         if self.rank == 0:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             atomic_torch_save(state, output, self._check_writer)
-            self.events.emit(EventKind.FINISHED, step=self.step, loss=loss, output_path=str(output))
+            self.events.emit(TrainingFinished(step=self.step, loss=loss, output_path=str(output)))
             logger.info("finished at step %d, loss %s; model in %s", self.step, loss, output)
         dist.barrier()
         return TrainResult(self.step, self.epoch, loss, True, output)
@@ -289,12 +297,13 @@ class Trainer:
         if self.rank != 0:
             return
         self.events.emit(
-            EventKind.PROGRESS,
-            step=self.step,
-            epoch=epoch,
-            loss=mean_loss,
-            samples_per_s=round(rate, 1),
-            world_size=self.world_size,
+            TrainingProgress(
+                step=self.step,
+                epoch=epoch,
+                loss=mean_loss,
+                samples_per_s=round(rate, 1),
+                world_size=self.world_size,
+            )
         )
         logger.info("step %d epoch %d loss %.5f %.0f samples/s", self.step, epoch, mean_loss, rate)
 
@@ -343,15 +352,16 @@ class Trainer:
     def _snapshot_saved(self, manifest: Manifest, seconds: float, background: bool) -> None:
         path = self.saver.storage.path_of(manifest.file)
         self.events.emit(
-            EventKind.SNAPSHOT,
-            step=manifest.step,
-            epoch=manifest.epoch,
-            world_size=manifest.world_size,
-            path=path,
-            bytes=manifest.size_bytes,
-            sha256=manifest.sha256,
-            seconds=round(seconds, 3),
-            background=background,
+            SnapshotSaved(
+                step=manifest.step,
+                epoch=manifest.epoch,
+                world_size=manifest.world_size,
+                path=path,
+                bytes=manifest.size_bytes,
+                sha256=manifest.sha256,
+                seconds=round(seconds, 3),
+                background=background,
+            )
         )
         logger.info(
             "snapshot at step %d (epoch %d): %s, %d bytes, sha256 %s, %.2f s%s",
@@ -361,10 +371,10 @@ class Trainer:
         )
 
     def _snapshot_failed(self, step: int, error: str) -> None:
-        self.events.emit(EventKind.SNAPSHOT_FAILED, step=step, error=error)
+        self.events.emit(SnapshotFailed(step=step, error=error))
 
     def _snapshot_skipped(self, step: int, reason: str) -> None:
-        self.events.emit(EventKind.SNAPSHOT_SKIPPED, step=step, reason=reason)
+        self.events.emit(SnapshotSkipped(step=step, reason=reason))
 
     def _load_snapshot(self) -> None:
         """Load the newest snapshot any rank can see into model, optimizer and RNG.

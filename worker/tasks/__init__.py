@@ -1,6 +1,7 @@
 """Built-in training tasks, each a module runnable under torchrun unchanged.
 
-``registry`` is importable without torch (the controller validates job specs
-with it); the task modules themselves (``regression``, ``spirals``, ``charlm``)
-import torch. This package imports nothing.
+Their names and parameters are in ``contract.tasks``, which imports no torch
+(the controller validates job specs with it); the task modules themselves
+(``regression``, ``spirals``, ``charlm``) import torch. This package imports
+nothing.
 """

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from contract.tasks import CharLMParams
 from worker.tasks.cli import TaskParts, run_task
-from worker.tasks.registry import CharLMParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What every built-in task's ``main`` shares: flags, logging and the run itself.
 
-A task's flags come from its pydantic params model in ``registry`` (one flag per
+A task's flags come from its pydantic params model in ``contract.tasks`` (one flag per
 field, kebab-case), plus the snapshot and output flags below, whose defaults come
 from the ``RELAUNCH_SNAPSHOT_*`` environment the node agent sets.
 """
@@ -19,12 +19,12 @@ from typing import TypeVar
 from torch import nn
 from torch.utils.data import Dataset
 
+from contract.labels import label_from_environ
+from contract.tasks import CommonParams, flag_name, get_task, validate_params
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
-from worker.runtime.labels import label_from_environ
 from worker.runtime.model_prep import LossFn, OptimizerFactory, seed_everything
 from worker.runtime.trainer import Trainer
-from worker.tasks.registry import CommonParams, flag_name, get_task, validate_params
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
 def parse_task_args(
     task: str, argv: Sequence[str] | None = None
 ) -> tuple[CommonParams, argparse.Namespace]:
-    """Parse ``argv`` for ``task`` and validate its params (bounds as in the registry);
+    """Parse ``argv`` for ``task`` and validate its params (bounds as in ``contract.tasks``);
     exits with a usage error naming the bad flag's field otherwise."""
     info = get_task(task)
     parser = build_parser(task)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from contract.tasks import RegressionParams
 from worker.tasks.cli import TaskParts, run_task
-from worker.tasks.registry import RegressionParams
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from contract.tasks import SpiralsParams
 from worker.tasks.cli import TaskParts, run_task
-from worker.tasks.registry import SpiralsParams
 
 logger = logging.getLogger(__name__)
 

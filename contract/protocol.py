@@ -5,19 +5,25 @@ heartbeat with the *complete* set of attempts the node should be running now
 (level-triggered): an attempt the agent runs that is not in the reply must be
 stopped, one in the reply that the agent does not run must be started.
 
-Events travel from a node to the controller as data (``RuntimeEvent``), whether
-they come from the launcher (rendezvous rounds, worker failures) or from the
-training runtime on rank 0 (start, progress, snapshots, finish). Both write
-JSON lines to the file named by ``EVENTS_FILE_ENV``; the agent tails it.
+Events travel from a node to the controller as data (``contract.events``),
+whether they come from the launcher (rendezvous rounds, worker failures) or
+from the training runtime on rank 0 (start, progress, snapshots, finish). Both
+write JSON lines to the file named by ``EVENTS_FILE_ENV``; the agent tails it.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import BaseModel, Field
+
+from contract.events import RuntimeEvent
+from contract.fields import Id, Int32, PlainText, PrintedText
+
+# A controller on this host at its default port (RELAUNCH_PORT): the one-host setup.
+DEFAULT_CONTROLLER_URL = "http://127.0.0.1:8080"
 
 # Environment variables the node agent sets for the launcher and its workers.
 JOB_ID_ENV = "RELAUNCH_JOB_ID"
@@ -34,77 +40,6 @@ EVENTS_FILE_ENV = "RELAUNCH_EVENTS_FILE"
 PROGRESS_DIR_ENV = "RELAUNCH_PROGRESS_DIR"
 # host:port of the controller's store; rank 0 takes the snapshot-writer token there.
 STORE_ENDPOINT_ENV = "RELAUNCH_STORE_ENDPOINT"
-
-
-class EventKind(StrEnum):
-    """What a ``RuntimeEvent`` reports; ``data`` keys per kind are listed here.
-
-    From the launcher (any node):
-      RENDEZVOUS      world_size, group_rank, group_world_size, restart_count
-      WORKER_FAILED   local_rank, global_rank, exitcode, message, cause, fatal
-                      (cause: "crash" | "hang" | "fatal_exit_code" | "startup_error" |
-                      "peer_lost";
-                      fatal: true when the job must fail without a restart)
-      HANG            local_rank, global_rank, idle_s, timeout_s
-      LAUNCHER_EXIT   outcome ("succeeded" | "failed"), exitcode, message, fatal
-    From the training runtime (rank 0 only):
-      STARTED         world_size, restart_count, resumed_from_step (int | None), total_steps
-      PROGRESS        step, epoch, loss, samples_per_s, world_size
-      SNAPSHOT        step, epoch, world_size, path, bytes, sha256, seconds, background
-      SNAPSHOT_FAILED step, error (the save was abandoned; training goes on)
-      SNAPSHOT_SKIPPED step, reason (a snapshot that did not verify on resume)
-      FINISHED        step, loss, output_path
-    """
-
-    RENDEZVOUS = "rendezvous"
-    WORKER_FAILED = "worker_failed"
-    LAUNCHER_EXIT = "launcher_exit"
-    HANG = "hang"
-    STARTED = "started"
-    PROGRESS = "progress"
-    SNAPSHOT = "snapshot"
-    SNAPSHOT_FAILED = "snapshot_failed"
-    SNAPSHOT_SKIPPED = "snapshot_skipped"
-    FINISHED = "finished"
-
-
-class RuntimeEvent(BaseModel):
-    time: datetime
-    kind: EventKind
-    data: Annotated[dict[str, Any], AfterValidator(_nul_shown_within)] = Field(default_factory=dict)
-
-
-def _no_nul(value: str) -> str:
-    if "\x00" in value:
-        raise ValueError("must not contain NUL characters")
-    return value
-
-
-def _nul_shown(value: str) -> str:
-    return value.replace("\x00", "\ufffd")
-
-
-# PostgreSQL text holds no NUL character. A name or address with one is refused;
-# what a worker printed keeps its line, with U+FFFD where the NUL was.
-PlainText = Annotated[str, AfterValidator(_no_nul)]
-PrintedText = Annotated[str, AfterValidator(_nul_shown)]
-
-
-def _nul_shown_within(value: Any) -> Any:
-    """``value`` with NUL shown as U+FFFD in every string it holds, keys included."""
-    if isinstance(value, str):
-        return _nul_shown(value)
-    if isinstance(value, dict):
-        return {_nul_shown_within(k): _nul_shown_within(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nul_shown_within(v) for v in value]
-    return value
-
-
-# Ids are 64-bit and counts 32-bit in the controller's database: a larger number is
-# refused at the door (422) instead of failing in the database.
-Id = Annotated[int, Field(ge=0, le=2**63 - 1)]
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 class NodeRegister(BaseModel):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker.protocol import ATTEMPT_NUMBER_ENV, JOB_ID_ENV, NODE_NAME_ENV
+from contract.protocol import ATTEMPT_NUMBER_ENV, JOB_ID_ENV, NODE_NAME_ENV
 
 
 def log_label(

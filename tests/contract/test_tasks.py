@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from worker.tasks.registry import TASKS, task_args, validate_params
+from contract.tasks import TASKS, task_args, validate_params
 
 
 def test_importable_without_torch(subprocess_env: dict[str, str]) -> None:
     code = (
         "import sys\n"
-        "import worker.tasks.registry as r\n"
+        "import contract.tasks as r\n"
         "r.task_args('charlm', {'epochs': 2})\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )

@@ -1,4 +1,8 @@
-"""Paths made from names under a fixed root, and refused when they would leave it.
+"""Where files are: a location is a URL or a path, and names under a root stay under it.
+
+A location (the snapshot root, a job's snapshot directory) that starts with
+``scheme://`` is a URL, opened through fsspec; anything else is a path. The
+controller and the nodes tell them apart with the one rule here (``is_url``).
 
 Every file relaunch opens on a node or the controller lies under a root that
 settings fix (the agent's work dir, the snapshot root), at a path built from
@@ -10,6 +14,7 @@ backslash form, or a symbolic link.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -33,3 +38,8 @@ def inside(root: Path, *names: str) -> Path:
     if not path.resolve().is_relative_to(root.resolve()):
         raise UnsafePath(f"{path} leads outside {root}")
     return path
+
+
+def is_url(location: str) -> bool:
+    """True for ``scheme://...`` (``s3://``, ``file://``, ...): a location fsspec opens."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) is not None

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from worker.protocol import ATTEMPT_ID_ENV, ATTEMPT_NUMBER_ENV, JOB_ID_ENV, NODE_NAME_ENV
+from contract.labels import label_from_environ, log_label
+from contract.protocol import ATTEMPT_ID_ENV, ATTEMPT_NUMBER_ENV, JOB_ID_ENV, NODE_NAME_ENV
 from worker.runtime.env import DistEnv
-from worker.runtime.labels import label_from_environ, log_label
 from worker.tasks.cli import configure_logging
 
 AGENT_ENV = {
@@ -62,7 +62,7 @@ def test_worker_log_lines_carry_the_label(capsys: pytest.CaptureFixture[str]) ->
 def test_labels_import_no_torch(subprocess_env: dict[str, str]) -> None:
     code = (
         "import sys\n"
-        "import worker.runtime.labels\n"
+        "import contract.labels\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )
     result = subprocess.run(
