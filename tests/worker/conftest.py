@@ -4,37 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def repo_root() -> Path:
-    return REPO_ROOT
-
-
-@pytest.fixture
-def subprocess_env() -> dict[str, str]:
-    """The current environment without launcher or relaunch variables, repo on PYTHONPATH."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("RELAUNCH_", "TORCHELASTIC_"))
-        and key not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-        and key not in {"MASTER_ADDR", "MASTER_PORT"}
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 @pytest.fixture
