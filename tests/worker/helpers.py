@@ -1,4 +1,5 @@
-"""Helpers for the training-runtime tests: a small snapshot, and a short training run."""
+"""Helpers for the worker tests: a small snapshot, a short training run, and an attempt
+that is never started."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from worker.attempt import Attempt
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
@@ -15,6 +18,7 @@ from worker.runtime.model_prep import seed_everything
 from worker.runtime.rng import RngState
 from worker.runtime.snapshot import TrainingState
 from worker.runtime.trainer import Trainer, TrainResult
+from worker.settings import AgentSettings
 from worker.tasks import spirals
 
 SEED = 3
@@ -75,3 +79,20 @@ def make_snapshot(step: int) -> TrainingState:
         scheduler_state={"last_epoch": step},
         extra={"attempt_id": "7"},
     )
+
+
+def unstarted_attempt(tmp_path: Path, settings: AgentSettings) -> Attempt:
+    """Attempt 5 of job 3, never started: only its events file and its stop are used."""
+    assignment = Assignment(
+        attempt_id=5,
+        job_id=3,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        rendezvous=RendezvousConfig(endpoint="127.0.0.1:1", rdzv_id="job-3"),
+        entrypoint=Entrypoint(module="unused"),
+        snapshot_dir=str(tmp_path / "snapshots"),
+    )
+    attempt = Attempt(assignment, settings)
+    attempt.events_path.parent.mkdir(parents=True)
+    return attempt

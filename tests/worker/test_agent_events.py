@@ -10,16 +10,13 @@ import pytest
 
 from contract.events import TrainingProgress, WorkerFailed, runtime_event
 from contract.protocol import (
-    Assignment,
     AttemptReport,
-    Entrypoint,
     NodeRegister,
     NodeRegistered,
-    RendezvousConfig,
     ReportAccepted,
 )
+from tests.worker.helpers import unstarted_attempt
 from worker.agent import NodeAgent
-from worker.attempt import Attempt
 from worker.client import ControllerClient
 from worker.settings import AgentSettings
 
@@ -45,22 +42,6 @@ def _line(kind: str, **data: object) -> str:
     return json.dumps({"time": TIME, "kind": kind, "data": data}) + "\n"
 
 
-def _attempt(tmp_path: Path, settings: AgentSettings) -> Attempt:
-    assignment = Assignment(
-        attempt_id=5,
-        job_id=3,
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=1,
-        rendezvous=RendezvousConfig(endpoint="127.0.0.1:1", rdzv_id="job-3"),
-        entrypoint=Entrypoint(module="unused"),
-        snapshot_dir=str(tmp_path / "snapshots"),
-    )
-    attempt = Attempt(assignment, settings)  # never started: only its events file is read
-    attempt.events_path.parent.mkdir(parents=True)
-    return attempt
-
-
 def test_invalid_event_lines_are_dropped_and_the_valid_ones_forwarded(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -69,7 +50,7 @@ def test_invalid_event_lines_are_dropped_and_the_valid_ones_forwarded(
     )
     client = RecordingClient()
     agent = NodeAgent(settings, client, clock=lambda: 100.0)
-    attempt = _attempt(tmp_path, settings)
+    attempt = unstarted_attempt(tmp_path, settings)
     failed = runtime_event(WorkerFailed(global_rank=1, exitcode=-9, message="killed"))
     attempt.events_path.write_text(
         _line("progress", step=1, loss=0.5)

@@ -12,16 +12,14 @@ import pytest
 
 from contract.events import TrainingProgress, runtime_event
 from contract.protocol import (
-    Assignment,
     AttemptReport,
-    Entrypoint,
     NodeRegister,
     NodeRegistered,
-    RendezvousConfig,
     ReportAccepted,
     StopReason,
 )
 from service.local_cluster import LocalCluster, free_port
+from tests.worker.helpers import unstarted_attempt
 from worker.agent import NodeAgent
 from worker.attempt import Attempt
 from worker.client import (
@@ -82,18 +80,7 @@ def test_a_server_error_on_registration_is_retried(tmp_path: Path) -> None:
 
 
 def _attempt_with_output(tmp_path: Path, settings: AgentSettings) -> Attempt:
-    assignment = Assignment(
-        attempt_id=5,
-        job_id=3,
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=1,
-        rendezvous=RendezvousConfig(endpoint="127.0.0.1:1", rdzv_id="job-3"),
-        entrypoint=Entrypoint(module="unused"),
-        snapshot_dir=str(tmp_path / "snapshots"),
-    )
-    attempt = Attempt(assignment, settings)  # never started: stopping it only records how
-    attempt.events_path.parent.mkdir(parents=True)
+    attempt = unstarted_attempt(tmp_path, settings)
     event = runtime_event(TrainingProgress(step=1), datetime.now(UTC))
     attempt.events_path.write_text(event.model_dump_json() + "\n")
     return attempt
