@@ -426,9 +426,10 @@ def _record_stale_exit(
 ) -> None:
     """The exit of a member of an attempt that has ended (or of a member already gone).
 
-    A member still ACTIVE in an attempt that SUCCEEDED ends as its launcher did:
-    a success makes it FINISHED, and the timeline says the node finished. Every
-    other late exit only releases the member (LEFT) and says what is left running.
+    A member still ACTIVE in an attempt that SUCCEEDED ends as its launcher did
+    (FINISHED, EXITED or LEFT), and a success puts "node X finished" on the
+    timeline. Any other late exit releases the member (LEFT). Whatever did not
+    succeed says what it left running.
     """
     attempt = member.attempt
     if member.state is MemberState.ACTIVE and attempt.state is AttemptState.SUCCEEDED:
