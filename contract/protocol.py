@@ -197,4 +197,4 @@ class NodeLeave(BaseModel):
 
 
 class NodeLeft(BaseModel):
-    left: bool = Field(description="False if the node was already LOST")
+    left: bool = Field(description="False if the node was no longer ALIVE (LOST or LEFT)")

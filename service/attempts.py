@@ -92,7 +92,7 @@ def end_member(
     now: datetime,
     exit_code: int | None = None,
 ) -> bool:
-    """ACTIVE → LEFT/EXITED with compare-and-set; False if it had already ended."""
+    """ACTIVE → LEFT/EXITED/FINISHED with compare-and-set; False if it had already ended."""
     if member.state is not MemberState.ACTIVE:
         return False
     return transition(session, member, new, left_at=now, exit_code=exit_code)
@@ -101,12 +101,15 @@ def end_member(
 def end_attempt(
     session: Session, attempt: Attempt, new: AttemptState | str, now: datetime, result: str
 ) -> None:
-    """End a running attempt and every membership still active in it."""
+    """End a running attempt. Unless it SUCCEEDED, every membership still active in it
+    ends as LEFT; after a success the other members stay ACTIVE until their own
+    launchers report (``MemberState``)."""
     new = AttemptState(new)
     if not transition(session, attempt, new, ended_at=now, result=result):
         raise StaleState(f"attempt {attempt.id} is no longer running")
-    for member in active_members(session, attempt.id):
-        end_member(session, member, MemberState.LEFT, now)
+    if new is not AttemptState.SUCCEEDED:
+        for member in active_members(session, attempt.id):
+            end_member(session, member, MemberState.LEFT, now)
     logger.info(
         "job=%s attempt=%s attempt_id=%s ended %s: %s",
         attempt.job_id,

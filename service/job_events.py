@@ -10,6 +10,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.models import JobEvent
@@ -40,3 +41,16 @@ def add_event(
         )
     )
     logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
+
+
+MEMBERSHIP_CHANGES = ("node_left", "node_joined")
+
+
+def last_membership_change(session: Session, attempt_id: int) -> datetime | None:
+    """When the attempt's members last changed (a node left or joined), as the timeline
+    says; None if they never did."""
+    return session.scalar(
+        select(func.max(JobEvent.time)).where(
+            JobEvent.attempt_id == attempt_id, JobEvent.kind.in_(MEMBERSHIP_CHANGES)
+        )
+    )

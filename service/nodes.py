@@ -9,7 +9,7 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from contract.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
-from service.attempts import assignment_for, drop_member
+from service.attempts import assignment_for, drop_member, end_member
 from service.errors import NotFound, StaleState
 from service.models import Attempt, AttemptMember, Node
 from service.settings import ControllerSettings
@@ -45,6 +45,7 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
         return node
     for member in memberships(session, node.id):
         drop_member(session, member, now, "its agent restarted")
+    _release_finishing(session, node.id, now)
     if node.state is not NodeState.ALIVE and not transition(session, node, NodeState.ALIVE):
         raise StaleState(f"node {node.id} is no longer {node.state}")
     node.address, node.slots, node.pid = body.address, body.slots, body.pid
@@ -67,6 +68,23 @@ def memberships(session: Session, node_id: int) -> list[AttemptMember]:
     return list(session.scalars(stmt))
 
 
+def _release_finishing(session: Session, node_id: int, now: datetime) -> None:
+    """End as LEFT the node's memberships still ACTIVE in attempts that have ended (an
+    attempt that SUCCEEDED waits for each member's own exit): a node that is gone
+    or restarted will not report them."""
+    stmt = (
+        select(AttemptMember)
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .where(
+            AttemptMember.node_id == node_id,
+            AttemptMember.state == MemberState.ACTIVE,
+            Attempt.state != AttemptState.RUNNING,
+        )
+    )
+    for member in session.scalars(stmt):
+        end_member(session, member, MemberState.LEFT, now)
+
+
 def get_node(session: Session, node_id: int, *, for_update: bool = False) -> Node:
     """The node, read afresh and locked with ``for_update``; ``NotFound`` if there is none."""
     if for_update:
@@ -85,10 +103,10 @@ def heartbeat(
     settings: ControllerSettings,
     now: datetime,
 ) -> HeartbeatReply:
-    """Record that the node lives (a LOST node is ALIVE again) and answer with
+    """Record that the node lives (a LOST or LEFT node is ALIVE again) and answer with
     everything it must run now."""
     node = get_node(session, node_id, for_update=True)
-    if node.state is NodeState.LOST:
+    if node.state is not NodeState.ALIVE:
         if not transition(session, node, NodeState.ALIVE, last_heartbeat_at=now):
             raise StaleState(f"node {node.id} is no longer {node.state}")
         logger.info("node=%s name=%s is back", node.id, node.name)
@@ -123,9 +141,9 @@ def list_nodes(
 
 
 def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:
-    """ALIVE → LOST at once, for an agent that says it is stopping: the other members
+    """ALIVE → LEFT at once, for an agent that says it is stopping: the other members
     re-form without waiting out the heartbeat timeout. The node comes back by registering."""
-    if not _lose(session, get_node(session, node_id), now, reason):
+    if not _end_node(session, get_node(session, node_id), NodeState.LEFT, now, reason):
         return False
     logger.info("node=%s left: %s", node_id, reason)
     return True
@@ -134,22 +152,27 @@ def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:
 def mark_lost(session: Session, node_id: int, seen_before: datetime, now: datetime) -> bool:
     """ALIVE → LOST, only if no heartbeat arrived since ``seen_before`` (compare-and-set)."""
     node = session.get(Node, node_id)
-    if node is None or not _lose(
-        session, node, now, "no heartbeat", Node.last_heartbeat_at <= seen_before
+    if node is None or not _end_node(
+        session, node, NodeState.LOST, now, "no heartbeat", Node.last_heartbeat_at <= seen_before
     ):
         return False
     logger.warning("node=%s lost: no heartbeat since %s", node_id, seen_before)
     return True
 
 
-def _lose(
-    session: Session, node: Node, now: datetime, why: str, *still: ColumnElement[bool]
+def _end_node(
+    session: Session,
+    node: Node,
+    new: NodeState,
+    now: datetime,
+    why: str,
+    *still: ColumnElement[bool],
 ) -> bool:
-    """ALIVE → LOST if the row is still ALIVE (and ``still`` holds); end its memberships."""
-    if node.state is not NodeState.ALIVE or not transition(
-        session, node, NodeState.LOST, also_where=still
-    ):
+    """ALIVE → ``new`` (LOST or LEFT) if the row is still ALIVE (and ``still`` holds);
+    end its memberships."""
+    if node.state is not NodeState.ALIVE or not transition(session, node, new, also_where=still):
         return False
     for member in memberships(session, node.id):
         drop_member(session, member, now, why)
+    _release_finishing(session, node.id, now)
     return True

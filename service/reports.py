@@ -33,7 +33,7 @@ from contract.events import (
 from contract.protocol import AttemptExit, AttemptReport, StopReason
 from service.attempts import drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
-from service.job_events import add_event
+from service.job_events import add_event, last_membership_change
 from service.jobs import change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
 from service.nodes import get_node
@@ -58,8 +58,9 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
         raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it", reason)
     job = get_job(session, attempt.job_id, for_update=True)
     _store_logs(session, job, attempt, node, report)
+    changed = last_membership_change(session, attempt.id) if report.events else None
     for event in report.events:
-        _apply_event(event.data, _Applied(session, job, attempt, node, event.time, now))
+        _apply_event(event.data, _Applied(session, job, attempt, node, event.time, now, changed))
     if report.exit is not None:
         _apply_exit(session, job, member, report.exit, now)
 
@@ -92,16 +93,33 @@ class _Applied:
     node: Node
     time: datetime  # when the node saw it
     now: datetime  # when the controller applies it
+    members_changed: datetime | None = None  # the attempt's last membership change
+
+    @property
+    def timeline_time(self) -> datetime:
+        """When the event goes on the timeline: when the node saw it, but never before the
+        attempt's last membership change that the timeline already holds.
+
+        The timeline lists events in the order the controller learned them. A node's
+        clock, and the heartbeat timeout after which the controller declares a node
+        lost, can put a node's event (the workers' rendezvous at the smaller world
+        size, their resume) seconds before the membership change that caused it; an
+        event learned after the change is stamped no earlier than the change, so the
+        timeline reads cause before effect in both order and time.
+        """
+        if self.members_changed is None:
+            return self.time
+        return max(self.time, self.members_changed)
 
     def add_event(self, kind: str, message: str, data: EventData) -> None:
-        """Put ``kind`` on the job's timeline with the event's payload, at the time the node
-        saw it."""
+        """Put ``kind`` on the job's timeline with the event's payload, at
+        ``timeline_time``."""
         add_event(
             self.session,
             self.job.id,
             kind,
             message,
-            self.time,
+            self.timeline_time,
             attempt_id=self.attempt.id,
             node_id=self.node.id,
             data=data.model_dump(mode="json"),
@@ -170,7 +188,7 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
             f"the last: {_exit_text(data)}"
         ),
         restarting=f"restarting the workers after a {cause.replace('_', ' ')}",
-        time=at.time,
+        time=at.timeline_time,
         node_id=at.node.id,
     )
     if delay is None:
@@ -336,11 +354,10 @@ def _apply_exit(
         # a membership change, and the other nodes re-form without it.
         drop_member(session, member, now, "its agent stopped it", exit.exit_code)
     else:
-        new_member_state = MemberState.LEFT if exit.outcome == "stopped" else MemberState.EXITED
-        end_member(session, member, new_member_state, now, exit.exit_code)
+        end_member(session, member, _member_state_after(exit), now, exit.exit_code)
     ids: dict[str, Any] = {"attempt_id": attempt.id, "node_id": node.id}
     if exit.outcome == "succeeded":
-        add_event(session, job.id, "node_finished", f"node {node.name} finished", now, **ids)
+        _record_finished(session, job.id, node, attempt, now)
         if attempt.state is AttemptState.RUNNING:
             end_attempt(session, attempt, AttemptState.SUCCEEDED, now, "workers succeeded")
         if job.state.is_active():
@@ -383,11 +400,46 @@ def _launcher_failed(
     job.waiting_since, job.not_before = now, now + timedelta(seconds=delay)
 
 
+def _member_state_after(exit: AttemptExit) -> MemberState:
+    """How a member that is still ACTIVE ends when its launcher reports ``exit``."""
+    if exit.outcome == "succeeded":
+        return MemberState.FINISHED
+    return MemberState.LEFT if exit.outcome == "stopped" else MemberState.EXITED
+
+
+def _record_finished(
+    session: Session, job_id: int, node: Node, attempt: Attempt, now: datetime
+) -> None:
+    add_event(
+        session,
+        job_id,
+        "node_finished",
+        f"node {node.name} finished",
+        now,
+        attempt_id=attempt.id,
+        node_id=node.id,
+    )
+
+
 def _record_stale_exit(
     session: Session, member: AttemptMember, exit: AttemptExit, now: datetime
 ) -> None:
-    end_member(session, member, MemberState.LEFT, now, exit.exit_code)
-    _record_stopped(session, member.attempt.job_id, member.node, member.attempt, exit, now)
+    """The exit of a member of an attempt that has ended (or of a member already gone).
+
+    A member still ACTIVE in an attempt that SUCCEEDED ends as its launcher did
+    (FINISHED, EXITED or LEFT), and a success puts "node X finished" on the
+    timeline. Any other late exit releases the member (LEFT). Whatever did not
+    succeed says what it left running.
+    """
+    attempt = member.attempt
+    if member.state is MemberState.ACTIVE and attempt.state is AttemptState.SUCCEEDED:
+        end_member(session, member, _member_state_after(exit), now, exit.exit_code)
+        if exit.outcome == "succeeded":
+            _record_finished(session, attempt.job_id, member.node, attempt, now)
+            return
+    else:
+        end_member(session, member, MemberState.LEFT, now, exit.exit_code)
+    _record_stopped(session, attempt.job_id, member.node, attempt, exit, now)
 
 
 def _record_stopped(

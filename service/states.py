@@ -112,18 +112,28 @@ class MemberState(StrEnum):
 
     ::
 
-        ACTIVE ──▶ LEFT (node lost or the attempt ended) | EXITED (its launcher ended)
+        ACTIVE ──its launcher succeeded──▶ FINISHED
+               ──its launcher failed──▶ EXITED
+               ──node lost, agent stopped it, or the attempt ended without it──▶ LEFT
+
+    A member ends only by what happened to it. An attempt that fails or stops
+    releases its still-active members (LEFT); an attempt that SUCCEEDED leaves
+    them ACTIVE, since the other nodes' launchers are finishing too: each
+    becomes FINISHED when its own success arrives, even after the attempt has
+    ended, or LEFT if its agent stopped it first or the node is gone.
     """
 
     ACTIVE = "ACTIVE"
     LEFT = "LEFT"
     EXITED = "EXITED"
+    FINISHED = "FINISHED"
 
 
 MEMBER_TRANSITIONS: dict[MemberState, frozenset[MemberState]] = {
-    MemberState.ACTIVE: frozenset({MemberState.LEFT, MemberState.EXITED}),
+    MemberState.ACTIVE: frozenset({MemberState.LEFT, MemberState.EXITED, MemberState.FINISHED}),
     MemberState.LEFT: frozenset(),
     MemberState.EXITED: frozenset(),
+    MemberState.FINISHED: frozenset(),
 }
 
 
@@ -132,16 +142,23 @@ class NodeState(StrEnum):
 
     ::
 
-        ALIVE ──heartbeat timeout──▶ LOST ──registers again──▶ ALIVE
+        ALIVE ──heartbeat timeout──▶ LOST ──heartbeat or registers again──▶ ALIVE
+        ALIVE ──its agent says it stops (POST /nodes/{id}/leave)──▶ LEFT
+        LEFT ──registers again (or a late heartbeat)──▶ ALIVE
+
+    LOST is a node that went silent; LEFT one that said goodbye. Neither is
+    placed on; both end their memberships of running attempts.
     """
 
     ALIVE = "ALIVE"
     LOST = "LOST"
+    LEFT = "LEFT"
 
 
 NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
-    NodeState.ALIVE: frozenset({NodeState.LOST}),
+    NodeState.ALIVE: frozenset({NodeState.LOST, NodeState.LEFT}),
     NodeState.LOST: frozenset({NodeState.ALIVE}),
+    NodeState.LEFT: frozenset({NodeState.ALIVE}),
 }
 
 

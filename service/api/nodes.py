@@ -71,7 +71,8 @@ def report(node: NodeDep, body: AttemptReport, factory: FactoryDep, now: NowDep)
 
 @router.post("/{node_id}/leave", response_model=NodeLeft)
 def leave(node: NodeDep, body: NodeLeave, session: SessionDep, now: NowDep) -> NodeLeft:
-    """The agent is stopping: drop the node from its attempts now, not at its timeout."""
+    """The agent is stopping: the node is LEFT (not LOST) and drops out of its attempts
+    now, not at its heartbeat timeout."""
     return NodeLeft(left=nodes.leave(session, node.id, body.reason, now))
 
 

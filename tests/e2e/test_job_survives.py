@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,12 @@ def final_model(cluster: LocalCluster, job_id: int) -> dict[str, torch.Tensor]:
     path = cluster.data_dir / "snapshots" / f"job-{job_id}" / "final.pt"
     state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return state
+
+
+def ended_members(client: RelaunchClient, job_id: int) -> list[dict[str, Any]]:
+    """The members of the job's last attempt once none is ACTIVE any more; else none."""
+    members: list[dict[str, Any]] = client.job(job_id)["attempts"][-1]["members"]
+    return [] if any(m["state"] == "ACTIVE" for m in members) else members
 
 
 def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
@@ -53,6 +60,13 @@ def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
         label = f"[job {job_id} attempt {entry['attempt_number']} rank {entry['global_rank']}]"
         assert label in entry["line"], entry
     wait_no_processes(cluster, job_id)
+    # Every node whose launcher succeeded finished; none of them reads as a leaver.
+    members = wait_for(
+        "every member of the last attempt to end", lambda: ended_members(client, job_id), 60, POLL_S
+    )
+    finished = {e["node_id"] for e in client.events(job_id) if e["kind"] == "node_finished"}
+    assert finished, kinds
+    assert {m["node_id"] for m in members if m["state"] == "FINISHED"} == finished, members
 
     reference_id = client.submit(regression_spec("reference", step_delay=0.0))["id"]
     reference = wait_terminal(client, reference_id)

@@ -121,6 +121,22 @@ def test_a_node_drops_out_and_a_new_one_joins_without_a_restart(
     wait_no_processes(cluster, job_id)
 
 
+def test_an_agent_stopped_with_sigterm_has_left_and_is_not_lost(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    """``docker stop``: the agent says goodbye, so the node reads LEFT, not like a dead one."""
+    start_nodes(cluster, nodes, "bye-a", "bye-b")
+    job_id = client.submit(regression("goodbye", "1:2"))["id"]
+    wait_world_size(client, job_id, 2, after_step=2)
+    cluster.stop("bye-b")  # SIGTERM, and wait for the agent to exit
+    assert {n["name"]: n["state"] for n in client.nodes()}["bye-b"] == "LEFT"
+    members = client.job(job_id)["attempts"][0]["members"]
+    assert [m["state"] for m in members if m["node_name"] == "bye-b"] == ["LEFT"]
+    wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+    client.cancel(job_id)
+    wait_no_processes(cluster, job_id)
+
+
 def test_below_min_the_job_waits_and_resumes_when_a_node_comes(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
 ) -> None:

@@ -7,12 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from fastapi.testclient import TestClient
 from sqlalchemy import inspect, text
 
-from service.db import downgrade_to_base, make_engine, upgrade_to_head
+from service.db import alembic_config, downgrade_to_base, make_engine, upgrade_to_head
 from service.models import Base
+from service.reconciler import Reconciler
+from tests.service.helpers import job, register, report, submit
 
 REPO = Path(__file__).resolve().parents[2]
 TABLES = {
@@ -92,5 +96,34 @@ def test_alembic_by_hand_defaults_to_the_data_dir(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{data_dir / 'relaunch.db'}")
     try:
         assert set(inspect(engine).get_table_names()) >= TABLES
+    finally:
+        engine.dispose()
+
+
+def test_finished_members_and_nodes_that_left_migrate_both_ways(
+    api: TestClient, reconciler: Reconciler, db_url: str
+) -> None:
+    """Down to 0006 they read as the old states (EXITED, LOST); up again, a member that
+    succeeded is FINISHED once more."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    assert report(api, a, attempt_id, exit={"outcome": "succeeded", "exit_code": 0}).is_success
+    assert api.post(f"/api/v1/nodes/{b}/leave", json={}).json() == {"left": True}
+    engine = make_engine(db_url)
+
+    def states() -> tuple[dict[int, str], dict[int, str]]:
+        with engine.connect() as conn:
+            members = dict(conn.execute(text("SELECT node_id, state FROM attempt_members")).all())
+            nodes = dict(conn.execute(text("SELECT id, state FROM nodes")).all())
+        return members, nodes
+
+    try:
+        assert states() == ({a: "FINISHED", b: "LEFT"}, {a: "ALIVE", b: "LEFT"})
+        command.downgrade(alembic_config(db_url), "0006")
+        assert states() == ({a: "EXITED", b: "LEFT"}, {a: "ALIVE", b: "LOST"})
+        upgrade_to_head(db_url)
+        assert states() == ({a: "FINISHED", b: "LEFT"}, {a: "ALIVE", b: "LOST"})
     finally:
         engine.dispose()

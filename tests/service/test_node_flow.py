@@ -446,7 +446,7 @@ def test_a_stopping_agent_leaves_at_once_and_a_new_node_takes_its_place(
     reply = api.post(f"/api/v1/nodes/{a}/leave", json={"reason": "SIGTERM"})
     assert reply.status_code == 200 and reply.json() == {"left": True}
     nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
-    assert nodes == {"a": "LOST", "b": "ALIVE"}
+    assert nodes == {"a": "LEFT", "b": "ALIVE"}
     assert "node_left" in kinds(api, job_id)
     register(api, "c")
     reconciler.run_once()  # no clock advance: the place is free now

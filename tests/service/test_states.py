@@ -10,6 +10,8 @@ from service.states import (
     AttemptState,
     InvalidTransition,
     JobState,
+    MemberState,
+    NodeState,
     check_transition,
 )
 
@@ -65,3 +67,16 @@ def test_attempts_end_once() -> None:
     check_transition(ATTEMPT_TRANSITIONS, AttemptState.RUNNING, AttemptState.STOPPED)
     with pytest.raises(InvalidTransition):
         check_transition(ATTEMPT_TRANSITIONS, AttemptState.STOPPED, AttemptState.SUCCEEDED)
+
+
+def test_members_end_once_as_what_happened_to_them() -> None:
+    for end in (MemberState.FINISHED, MemberState.EXITED, MemberState.LEFT):
+        check_transition(MEMBER_TRANSITIONS, MemberState.ACTIVE, end)
+        assert MEMBER_TRANSITIONS[end] == frozenset()
+
+
+def test_a_node_that_left_comes_back_alive_but_is_never_lost() -> None:
+    check_transition(NODE_TRANSITIONS, NodeState.ALIVE, NodeState.LEFT)
+    check_transition(NODE_TRANSITIONS, NodeState.LEFT, NodeState.ALIVE)
+    with pytest.raises(InvalidTransition):
+        check_transition(NODE_TRANSITIONS, NodeState.LEFT, NodeState.LOST)

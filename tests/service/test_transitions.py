@@ -168,9 +168,9 @@ def test_a_node_changes_state_only_along_its_lifecycle(
         assert not mark_lost(session, node_id, seen_before=t1, now=t3)
     with transaction(factory) as session:
         assert leave(session, node_id, "stopping", t3)
-        assert not leave(session, node_id, "stopping", t3)  # LOST already
-        assert not mark_lost(session, node_id, seen_before=t3, now=t3)
-    assert _read_node(factory, node_id).state is NodeState.LOST
+        assert not leave(session, node_id, "stopping", t3)  # LEFT already
+        assert not mark_lost(session, node_id, seen_before=t3, now=t3)  # left, not silent
+    assert _read_node(factory, node_id).state is NodeState.LEFT
     again = NodeRegister(name="n1", address="10.0.0.2", slots=2, pid=2)
     for _ in range(2):  # registering brings it back, and keeps it ALIVE
         with transaction(factory) as session:
