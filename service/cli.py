@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,12 +15,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
-import yaml
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from contract.cli import (
     COMMANDS_GROUP,
@@ -34,9 +33,18 @@ from contract.cli import (
 from contract.labels import log_label
 from contract.protocol import DEFAULT_CONTROLLER_URL
 from contract.tasks import TASKS
-from service.client import ApiError, RelaunchClient
+from service.client import (
+    TERMINAL_STATES,
+    TOKEN_ENV,
+    URL_ENV,
+    ApiError,
+    ControllerUnreachable,
+    RelaunchClient,
+    SpecFileError,
+    load_spec,
+)
 from service.demo import run_demo
-from service.timeline import print_timeline
+from service.timeline import timeline_table
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +59,14 @@ UrlOption = Annotated[
     str,
     typer.Option(
         "--url",
-        envvar="RELAUNCH_URL",
+        envvar=URL_ENV,
         help="Controller URL; HOST:PORT alone means http://HOST:PORT",
     ),
 ]
 DEFAULT_URL = DEFAULT_CONTROLLER_URL
 JobIdArgument = Annotated[int, typer.Argument(help="The job's id (`relaunch jobs` lists them)")]
-TOKEN_ENV = "RELAUNCH_TOKEN"
 API_TIMEOUT_S = 10.0  # for each request of a command
+WATCH_LAST_EVENTS = 20  # the timeline rows `status --watch` keeps on a terminal
 STATE_COLOURS = {
     "PENDING": "yellow",
     "WAITING": "yellow",
@@ -68,29 +76,6 @@ STATE_COLOURS = {
     "FAILED": "bold red",
     "CANCELLED": "dim",
 }
-
-
-def with_scheme(url: str) -> str:
-    """``url``, with ``http://`` in front when it names no scheme (``HOST:PORT``)."""
-    url = url.strip()
-    return url if "://" in url else f"http://{url}"
-
-
-def _unreachable(url: str, exc: Exception, timeout_s: float) -> str:
-    """One line on why the controller at ``url`` gave no answer, and what to check."""
-    where = "set RELAUNCH_URL or --url"
-    if isinstance(exc, httpx.TimeoutException):
-        return (
-            f"the controller at {url} did not answer within {timeout_s:g} s; is it up, and "
-            f"is the port open from here? {where}"
-        )
-    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
-        return f"{url!r} is not a usable controller URL ({exc}); {where} to http://HOST:PORT"
-    reason = re.sub(r"^\[Errno -?\d+\] ", "", str(exc)) or type(exc).__name__
-    return (
-        f"cannot reach the controller at {url}: {reason[:1].lower()}{reason[1:]}; "
-        f"is `relaunch server` running there? {where}"
-    )
 
 
 @contextmanager
@@ -108,14 +93,13 @@ def _api(url: str, refused: str = "") -> Iterator[RelaunchClient]:
             f"set {TOKEN_ENV} to your API token (an admin makes one with "
             "`relaunch users add` or `relaunch users token`)"
         )
-    url = with_scheme(url)
     try:
         with RelaunchClient(url, token, timeout_s=API_TIMEOUT_S) as client:
             yield client
     except ApiError as exc:
         raise fail(f"{refused}{exc}") from exc
-    except (httpx.TransportError, httpx.InvalidURL) as exc:
-        raise fail(_unreachable(url, exc, API_TIMEOUT_S)) from exc
+    except ControllerUnreachable as exc:
+        raise fail(exc.describe(f"set {URL_ENV} or --url")) from exc
 
 
 @app.command()
@@ -195,17 +179,9 @@ def healthcheck(
 
 def _load_spec_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise fail(f"cannot read {path}: {exc}") from exc
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise fail(f"{path} is not valid {kind}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise fail(f"{path} must hold a mapping (the job spec)")
-    return data
+        return load_spec(path)
+    except SpecFileError as exc:
+        raise fail(str(exc)) from exc
 
 
 def _parse_params(pairs: list[str]) -> dict[str, Any]:
@@ -297,7 +273,7 @@ def submit(
     if missing:
         raise fail(f"{missing}; see `relaunch submit --help`")
     with _api(url, refused="the controller refused the job: ") as client:
-        job = client.submit(spec, idempotency_key)
+        job = client.submit(spec, idempotency_key=idempotency_key)
     console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), state {job['state']}")
 
 
@@ -333,24 +309,109 @@ def jobs(
 @app.command()
 def status(
     job_id: JobIdArgument,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            "-w",
+            help="Refresh until the job ends; exit 0 if it SUCCEEDED, 1 if it did not",
+        ),
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between refreshes of --watch")
+    ] = 2.0,
     url: UrlOption = DEFAULT_URL,
 ) -> None:
-    """Show one job: state, progress, attempts and timeline."""
+    """Show one job: state, progress, attempts and timeline.
+
+    --watch refreshes it every --interval seconds until the job ends, then exits 0 if
+    the job SUCCEEDED and 1 if it FAILED or was CANCELLED (130 on Ctrl-C). On a
+    terminal the view is redrawn in place; otherwise only what changed is printed: the
+    status lines when they change, and each new timeline event as one line.
+    """
     with _api(url) as client:
-        job = client.job(job_id)
-        events = client.events(job_id)
-    console.print(
-        f"job [bold]{job['id']}[/] {job['name']}: {_state_text(job['state'])}  "
+        if not watch:
+            console.print(_status_view(client.job(job_id), client.events(job_id)))
+            return
+        try:
+            job = _watch_status(client, job_id, interval)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+    raise typer.Exit(0 if job["state"] == "SUCCEEDED" else 1)
+
+
+def _status_lines(job: dict[str, Any]) -> list[str]:
+    """The lines above the timeline, as markup: state and progress, message, attempts."""
+    lines = [
+        f"job [bold]{job['id']}[/] {escape(job['name'])}: {_state_text(job['state'])}  "
         f"step {job['last_step'] or 0}/{job['total_steps'] or '?'}  "
         f"world size {job['world_size'] or '-'}  restarts {job['restart_count']}"
         f"/{job['spec']['max_restarts']}  membership changes {job['membership_changes']}"
-    )
+    ]
     if job["message"]:
-        console.print(f"message: {escape(job['message'])}")
+        lines.append(f"message: {escape(job['message'])}")
     for attempt in job["attempts"]:
         nodes = ", ".join(f"{m['node_name']}({m['state'].lower()})" for m in attempt["members"])
-        console.print(f"  attempt {attempt['number']} {attempt['state']}: {nodes}")
-    print_timeline(console, events)
+        lines.append(f"  attempt {attempt['number']} {attempt['state']}: {escape(nodes)}")
+    return lines
+
+
+def _status_view(
+    job: dict[str, Any], events: list[dict[str, Any]], last_events: int | None = None
+) -> Group:
+    """What `relaunch status` shows; ``last_events`` keeps only the newest of the timeline."""
+    title = "timeline"
+    if last_events is not None and len(events) > last_events:
+        title = f"timeline (the last {last_events} of {len(events)} events)"
+        events = events[-last_events:]
+    return Group(
+        *(Text.from_markup(line) for line in _status_lines(job)), timeline_table(events, title)
+    )
+
+
+def _job_updates(
+    client: RelaunchClient, job_id: int, interval: float
+) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """The job and its timeline events not yet yielded, now and every ``interval`` seconds,
+    until the job has ended (the last pair shows it ended, with every event up to then)."""
+    after = 0
+    while True:
+        job = client.job(job_id)  # first: the events read next include those of its state
+        new: list[dict[str, Any]] = []
+        while page := client.events(job_id, after_id=after):
+            new += page
+            after = page[-1]["id"]
+        yield job, new
+        if job["state"] in TERMINAL_STATES:
+            return
+        time.sleep(interval)
+
+
+def _watch_status(client: RelaunchClient, job_id: int, interval: float) -> dict[str, Any]:
+    """Show the job until it ends; returns it as it ended."""
+    events: list[dict[str, Any]] = []
+    updates = _job_updates(client, job_id, interval)
+    if console.is_terminal:
+        with Live(console=console, auto_refresh=False) as live:
+            for job, new in updates:
+                events += new
+                live.update(_status_view(job, events, WATCH_LAST_EVENTS), refresh=True)
+        return job
+    shown: list[str] = []
+    for job, new in updates:
+        if not shown:
+            console.print(_status_view(job, new))
+        else:
+            if _status_lines(job) != shown:
+                for line in _status_lines(job):
+                    console.print(line)
+            for event in new:
+                console.print(
+                    f"{event['time'][11:23]}  {event['kind']}  {escape(event['message'])}"
+                )
+        shown = _status_lines(job)
+        events += new
+    return job
 
 
 def log_line_label(line: dict[str, Any]) -> str:
@@ -378,19 +439,10 @@ def logs(
 ) -> None:
     """Print a job's log lines, each labelled with its attempt, node and global rank;
     --follow keeps polling."""
-    after = 0
     with _api(url) as client:
-        while True:
-            lines = client.logs(job_id, after_id=after)
-            for line in lines:
-                typer.echo(f"[{log_line_label(line)}] {line['line']}")
-                after = line["id"]
-            if not follow:
-                return
-            if not lines:
-                if client.job(job_id)["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
-                    return
-                time.sleep(1.0)
+        lines = client.follow_logs(job_id) if follow else iter(client.logs(job_id))
+        for line in lines:
+            typer.echo(f"[{log_line_label(line)}] {line['line']}")
 
 
 @app.command()

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from service.client import ApiError
+from service.client import RelaunchError
 from service.local_cluster import LocalCluster, free_port
 from service.timeline import print_timeline
 
@@ -47,7 +47,7 @@ def run_demo(console: Console, port: int = 8080, keep_running: bool | None = Non
             cluster.start_agent("node-b")
             cluster.wait_nodes(2)
         return _drive(console, cluster, keep_running)
-    except (RuntimeError, ApiError) as exc:
+    except (RuntimeError, RelaunchError) as exc:
         console.print(f"[bold red]demo failed:[/] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:

@@ -9,10 +9,15 @@ from rich.markup import escape
 from rich.table import Table
 
 
-def print_timeline(console: Console, events: list[dict[str, Any]]) -> None:
-    """Print ``events`` (as the API lists them, oldest first) on ``console``."""
-    table = Table("time", "event", "what happened", title="timeline")
+def timeline_table(events: list[dict[str, Any]], title: str = "timeline") -> Table:
+    """``events`` (as the API lists them, oldest first) as a table."""
+    table = Table("time", "event", "what happened", title=title)
     for event in events:
         # Messages quote workers' errors, which may hold "[...]"; print them as text.
         table.add_row(event["time"][11:23], event["kind"], escape(event["message"]))
-    console.print(table)
+    return table
+
+
+def print_timeline(console: Console, events: list[dict[str, Any]]) -> None:
+    """Print ``events`` (as the API lists them, oldest first) on ``console``."""
+    console.print(timeline_table(events))
