@@ -117,6 +117,11 @@ class Assignment(BaseModel):
     entrypoint: Entrypoint
     env: dict[str, str] = Field(default_factory=dict)
     snapshot_dir: str
+    working_dir: str | None = Field(
+        default=None,
+        description="The job's working directory, which must exist on the node; None: the "
+        "node uses the snapshot directory if it is a path, else the attempt's own directory",
+    )
     snapshot_every_steps: int | None = None
     snapshot_every_epochs: int | None = None
     snapshot_keep: int = 2

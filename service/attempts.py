@@ -186,6 +186,7 @@ def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> 
         entrypoint=entrypoint_for(spec),
         env=spec.env,
         snapshot_dir=snapshot_dir_for(settings, job.id),
+        working_dir=spec.working_dir,
         snapshot_every_steps=spec.snapshot.every_steps,
         snapshot_every_epochs=spec.snapshot.every_epochs,
         snapshot_keep=spec.snapshot.keep,

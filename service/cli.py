@@ -223,6 +223,13 @@ def submit(
     script: Annotated[str | None, typer.Option(help="Absolute path of a torchrun script")] = None,
     module: Annotated[str | None, typer.Option(help="A module to run as python -m")] = None,
     arg: Annotated[list[str] | None, typer.Option(help="Argument of the script/module")] = None,
+    working_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="Absolute path of a directory on every node to run the workers in "
+            "(default: the job's snapshot directory, shared by the nodes)"
+        ),
+    ] = None,
     nnodes: Annotated[str | None, typer.Option(help="Nodes: 'N' or 'MIN:MAX' (default: 1)")] = None,
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Worker processes on each node (default: 1)")
@@ -264,6 +271,7 @@ def submit(
         ("nnodes", nnodes),
         ("nproc_per_node", nproc_per_node),
         ("max_restarts", max_restarts),
+        ("working_dir", working_dir),
     ):
         if value is not None:
             spec[key] = value

@@ -30,6 +30,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def check_node_path(field: str, value: str, what: str) -> str:
+    """``value`` as a path every node can use alike: absolute, without NUL or ``..``.
+
+    Raises ValueError naming ``field``; ``what`` says in a few words what the path is."""
+    if not value.startswith("/"):
+        raise ValueError(f"{field!r} must be absolute ({what})")
+    if "\x00" in value:
+        raise ValueError(f"{field!r} must not contain NUL characters")
+    if ".." in PurePosixPath(value).parts:
+        raise ValueError(f"{field!r} must not contain '..'; give the real path")
+    return value
+
+
 class TaskSpec(_Strict):
     """A built-in task by name, with its parameters."""
 
@@ -69,12 +82,8 @@ class ScriptSpec(_Strict):
     def _one_target(self) -> Self:
         if (self.path is None) == (self.module is None):
             raise ValueError("give exactly one of 'path' and 'module'")
-        if self.path is not None and not self.path.startswith("/"):
-            raise ValueError("'path' must be absolute (a script that exists on every node)")
-        if self.path is not None and "\x00" in self.path:
-            raise ValueError("'path' must not contain NUL characters")
-        if self.path is not None and ".." in PurePosixPath(self.path).parts:
-            raise ValueError("'path' must not contain '..'; give the script's real path")
+        if self.path is not None:
+            check_node_path("path", self.path, "a script that exists on every node")
         if self.module is not None and not _MODULE_NAME.match(self.module):
             raise ValueError(f"'module' is not a dotted Python module name: {self.module!r}")
         return self
@@ -144,6 +153,13 @@ class JobSpec(_Strict):
         "hung: its stack is dumped into the logs and the workers restart. null turns it off",
     )
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)
+    working_dir: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Absolute path of a directory that exists on every node: the workers' "
+        "current directory. Default: the job's snapshot directory when the snapshot root is "
+        "a path shared by the nodes, else the attempt's directory on each node",
+    )
     env: dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=4096)]] = (
         Field(
             default_factory=dict,
@@ -171,6 +187,13 @@ class JobSpec(_Strict):
             if not 1 <= code <= 255:
                 raise ValueError(f"fatal exit code {code} is not an exit status (1 to 255)")
         return sorted(set(codes))
+
+    @field_validator("working_dir")
+    @classmethod
+    def _working_dir(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return check_node_path("working_dir", value, "a directory that exists on every node")
 
     @field_validator("env")
     @classmethod

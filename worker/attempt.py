@@ -5,7 +5,9 @@ An ``Attempt`` is built from an ``Assignment`` (the spec), starts
 ``AttemptExit`` (the result): succeeded / failed when the launcher exits by
 itself, stopped when the agent ends it. Output and events wait in buffers until
 a report carrying them is accepted, so a briefly unreachable controller loses
-nothing (log lines are capped in memory; events stay in their file).
+nothing (log lines are capped in memory; events stay in their file). The launcher
+and its workers run in the job's working directory (``working_dir_for``); a job's
+``working_dir`` missing on this node fails the attempt as fatal before any start.
 
 Worker output reaches us through torchrun's ``--tee 3``: torch redirects each
 worker's stdout/stderr into files under ``--log-dir`` and tails them onto the
@@ -151,6 +153,35 @@ def build_torchrun_args(assignment: Assignment, *, local_addr: str, log_dir: Pat
     return args + list(entry.args)
 
 
+def working_dir_for(assignment: Assignment, attempt_dir: Path) -> Path:
+    """Where the launcher and its workers run, so where a script's relative paths lead.
+
+    The job's own ``working_dir`` if it names one. Otherwise the job's snapshot
+    directory when that is a path: every node mounts the snapshot root at the
+    same place, so a relative path names one file for the whole job, and a
+    restart on other nodes finds it. A snapshot URL (``s3://...``) offers no
+    shared directory; the workers then run in this attempt's directory on this node.
+    """
+    if assignment.working_dir is not None:
+        return Path(assignment.working_dir)
+    if not is_url(assignment.snapshot_dir):
+        return Path(assignment.snapshot_dir).absolute()
+    return attempt_dir.absolute()
+
+
+def missing_working_dir(assignment: Assignment, node: str) -> str | None:
+    """Why the job's ``working_dir`` cannot be used on ``node``; None if it can or if the
+    job names none (the default directories are made by the agent)."""
+    if assignment.working_dir is None:
+        return None
+    path = assignment.working_dir
+    if os.path.isdir(path):  # os.path says False, not raises, where the agent may not look
+        return None
+    if os.path.exists(path):
+        return f"working_dir {path} is not a directory on node {node}"
+    return f"working_dir {path} does not exist on node {node}"
+
+
 def build_launcher_env(
     assignment: Assignment,
     *,
@@ -175,7 +206,10 @@ def build_launcher_env(
         {
             JOB_ID_ENV: str(assignment.job_id),
             _PREFIX_TEMPLATE_ENV: LOG_LINE_PREFIX_TEMPLATE,
-            SNAPSHOT_DIR_ENV: assignment.snapshot_dir,
+            # Absolute: the workers' current directory is not the agent's.
+            SNAPSHOT_DIR_ENV: assignment.snapshot_dir
+            if is_url(assignment.snapshot_dir)
+            else os.path.abspath(assignment.snapshot_dir),
             EVENTS_FILE_ENV: str(events_file),
             STORE_ENDPOINT_ENV: assignment.rendezvous.endpoint,
             # Workers get their own MASTER_ADDR store instead of the rendezvous
@@ -243,7 +277,8 @@ class Attempt:
         self.assignment = assignment
         self.attempt_id = assignment.attempt_id
         self._settings = settings
-        self.dir = inside(settings.work_dir, "attempts", str(assignment.attempt_id))
+        # Absolute: the launcher runs in the job's working directory, not the agent's.
+        self.dir = inside(settings.work_dir, "attempts", str(assignment.attempt_id)).absolute()
         self.events_path = self.dir / "events.jsonl"
         self.progress_dir = self.dir / "progress"
         self._logs = LogOutbox()
@@ -263,7 +298,13 @@ class Attempt:
         return attempt_marker(self._settings, self.attempt_id)
 
     def start(self) -> None:
-        """Start the launcher; a start that fails becomes a failed exit."""
+        """Start the launcher; a start that fails becomes a failed exit, a fatal one
+        (the job fails at once, no restart) if the job's working_dir is missing here."""
+        unusable = missing_working_dir(self.assignment, self._settings.name)
+        if unusable is not None:
+            logger.error("%s cannot start: %s", self._ctx, unusable)
+            self.exit = AttemptExit(outcome="failed", message=unusable, fatal=True)
+            return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not is_url(self.assignment.snapshot_dir):
@@ -294,6 +335,7 @@ class Attempt:
             self._popen = subprocess.Popen(
                 command,
                 env=env,
+                cwd=working_dir_for(self.assignment, self.dir),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -52,6 +52,14 @@ def test_script_jobs_and_single_number_nnodes_are_accepted(api: TestClient) -> N
     assert (r.json()["min_nodes"], r.json()["max_nodes"]) == (2, 2)
 
 
+def test_an_absolute_working_dir_is_accepted_and_shown_in_the_spec(api: TestClient) -> None:
+    r = submit(api, working_dir="/data/runs/exp1")
+    assert r.status_code == 201, r.text
+    assert api.get(f"/api/v1/jobs/{r.json()['id']}").json()["spec"]["working_dir"] == (
+        "/data/runs/exp1"
+    )
+
+
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [
@@ -65,6 +73,10 @@ def test_script_jobs_and_single_number_nnodes_are_accepted(api: TestClient) -> N
         ({"task": {"name": "regression", "params": {"epochs": -1}}}, "epochs"),
         ({"task": {"name": "regression", "params": {"bogus": 1}}}, "bogus"),
         ({"task": None, "script": {"path": "train.py"}}, "must be absolute"),
+        ({"working_dir": "runs/exp1"}, "'working_dir' must be absolute"),
+        ({"working_dir": "/data/../etc"}, "'working_dir' must not contain '..'"),
+        ({"working_dir": "/data/\x00x"}, "'working_dir' must not contain NUL"),
+        ({"working_dir": "/" + "d" * 4096}, "at most 4096 characters"),
         ({"task": None, "script": {"module": "not a module"}}, "not a dotted"),
         ({"env": {"RANK": "3"}}, "set by relaunch"),
         ({"env": {"1BAD": "x"}}, "not a valid variable name"),

@@ -47,6 +47,7 @@ def test_submit_help_explains_its_options_and_lists_the_tasks() -> None:
         ("--nproc-per-node", "Worker processes on each node"),
         ("--max-restarts", "Worker failures the job may restart from"),
         ("--snapshot-every-steps", "Save a snapshot every N training steps"),
+        ("--working-dir", "Absolute path of a directory on every node"),
     ]:
         assert f"{option} <" in text and words in text.split(option, 1)[1][:200], option
     assert f"A built-in task: {', '.join(TASKS)}" in text

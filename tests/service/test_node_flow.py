@@ -35,6 +35,17 @@ def test_job_waits_for_min_nodes_then_runs_on_them(api: TestClient, reconciler: 
         assert "--epochs" in assignment["entrypoint"]["args"]
         assert assignment["snapshot_dir"].endswith(f"job-{job_id}")
         assert assignment["snapshot_every_steps"] == 5
+        assert assignment["working_dir"] is None  # the node picks the default
+
+
+def test_the_assignment_carries_the_jobs_working_dir(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    a = register(api, "a")
+    submit(api, "1", working_dir="/data/runs/exp1")
+    reconciler.run_once()
+    [assignment] = heartbeat(api, a)
+    assert assignment["working_dir"] == "/data/runs/exp1"
 
 
 def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(

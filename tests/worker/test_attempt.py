@@ -7,13 +7,16 @@ import pytest
 
 from contract.events import LauncherExited, TrainingProgress, runtime_event
 from contract.protocol import Assignment, Entrypoint, LogLine, RendezvousConfig
+from worker import attempt as attempt_module
 from worker.attempt import (
     LOG_LINE_PREFIX_TEMPLATE,
+    Attempt,
     attempt_label,
     attempt_marker,
     build_launcher_env,
     build_torchrun_args,
     parse_console_line,
+    working_dir_for,
 )
 from worker.outbox import EventsTail, LogOutbox
 from worker.settings import AgentSettings
@@ -257,3 +260,93 @@ def test_markers_of_two_agents_with_one_node_name_differ(tmp_path: Path) -> None
     )
     assert attempt_marker(one, 1) != attempt_marker(two, 1)
     assert attempt_marker(one, 1)["RELAUNCH_ATTEMPT_ID"] == "1"
+
+
+def _settings(tmp_path: Path) -> AgentSettings:
+    return AgentSettings(
+        enrolment_token="t", controller_url="http://c:1", name="node-a", work_dir=tmp_path / "a"
+    )
+
+
+def test_workers_run_in_the_jobs_working_dir_else_in_its_shared_snapshot_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempt_dir = tmp_path / "attempts" / "12"
+    given = _assignment(working_dir="/data/runs/exp1")
+    assert working_dir_for(given, attempt_dir) == Path("/data/runs/exp1")
+    assert working_dir_for(_assignment(), attempt_dir) == Path("/snap/3")
+    # A URL is no directory the nodes share: each node's attempt directory, absolute.
+    monkeypatch.chdir(tmp_path)
+    on_s3 = _assignment(snapshot_dir="s3://bucket/relaunch/job-3")
+    assert working_dir_for(on_s3, Path("attempts/12")) == attempt_dir
+    relative = _assignment(snapshot_dir="snaps/job-3")
+    assert working_dir_for(relative, attempt_dir) == tmp_path / "snaps" / "job-3"
+
+
+def test_a_relative_snapshot_dir_reaches_the_workers_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The workers do not run in the agent's directory, which a relative path means.
+    monkeypatch.chdir(tmp_path)
+    env = build_launcher_env(
+        _assignment(snapshot_dir="snaps/job-3"),
+        settings=_settings(tmp_path),
+        events_file=tmp_path / "ev.jsonl",
+        base_env={},
+    )
+    assert env["RELAUNCH_SNAPSHOT_DIR"] == str(tmp_path / "snaps" / "job-3")
+    on_s3 = _assignment(snapshot_dir="s3://bucket/job-3")
+    url_env = build_launcher_env(
+        on_s3, settings=_settings(tmp_path), events_file=tmp_path / "e", base_env={}
+    )
+    assert url_env["RELAUNCH_SNAPSHOT_DIR"] == "s3://bucket/job-3"
+
+
+def test_the_launcher_starts_in_the_working_dir_with_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, object] = {}
+
+    def popen(command: list[str], **kwargs: object) -> None:
+        seen.update(kwargs, command=command)
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(attempt_module.subprocess, "Popen", popen)
+    monkeypatch.chdir(tmp_path)
+    settings = AgentSettings(
+        enrolment_token="t", controller_url="http://c:1", name="node-a", work_dir=Path("agent")
+    )
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    attempt = Attempt(_assignment(working_dir=str(workdir)), settings)
+    attempt.start()
+    assert seen["cwd"] == workdir
+    command = seen["command"]
+    assert isinstance(command, list)
+    events_file = command[command.index("--events-file") + 1]
+    assert events_file == str(tmp_path / "agent" / "attempts" / "12" / "events.jsonl")
+    log_dir = command[command.index("--log-dir") + 1]
+    assert Path(log_dir).is_absolute()
+    assert attempt.exit is not None and not attempt.exit.fatal  # a plain start failure
+
+
+def test_a_missing_working_dir_fails_the_attempt_as_fatal_without_a_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def popen(*args: object, **kwargs: object) -> None:
+        raise AssertionError("no launcher may start")
+
+    monkeypatch.setattr(attempt_module.subprocess, "Popen", popen)
+    missing = tmp_path / "nope"
+    attempt = Attempt(_assignment(working_dir=str(missing)), _settings(tmp_path))
+    attempt.start()
+    assert attempt.exit is not None
+    assert (attempt.exit.outcome, attempt.exit.fatal) == ("failed", True)
+    assert attempt.exit.message == f"working_dir {missing} does not exist on node node-a"
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    attempt = Attempt(_assignment(working_dir=str(a_file)), _settings(tmp_path))
+    attempt.start()
+    assert attempt.exit is not None and attempt.exit.fatal
+    assert attempt.exit.message == f"working_dir {a_file} is not a directory on node node-a"

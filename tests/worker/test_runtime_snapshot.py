@@ -202,6 +202,33 @@ def test_crash_leftovers_are_ignored_then_cleaned(tmp_path: Path) -> None:
     assert in_flight.exists()
 
 
+def test_a_scripts_own_files_beside_the_snapshots_are_left_alone(tmp_path: Path) -> None:
+    # The job's snapshot directory is also a script job's default working directory.
+    own = {
+        "snapshot.pt": b"the script's own checkpoint",
+        "snapshot-latest.json": b"{}",
+        "snapshot-000000005.json.bak": b"{}",
+        "snapshot-000000005-0123abcd.pt.old": b"x",
+        "metrics.jsonl": b"{}",
+        ".cache.tmp": b"a script's hidden temporary",
+        ".notes.host.1.tmp": b"three dots, no token",
+    }
+    for name, data in own.items():
+        (tmp_path / name).write_bytes(data)
+    old = time.time() - storage_module.STALE_TMP_AGE_S - 60
+    for name in (".cache.tmp", ".notes.host.1.tmp"):
+        os.utime(tmp_path / name, (old, old))
+
+    assert load(tmp_path) == (None, [])
+    for step in (10, 20, 30):
+        save_snapshot(tmp_path, make_snapshot(step), keep=1)
+    loaded, skipped = load(tmp_path)
+    assert loaded is not None and loaded.step == 30 and skipped == []
+    assert steps_in(tmp_path) == [30]
+    for name, data in own.items():
+        assert (tmp_path / name).read_bytes() == data, name
+
+
 def test_failed_write_leaves_previous_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

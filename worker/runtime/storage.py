@@ -36,6 +36,7 @@ TMP_SUFFIX = ".tmp"
 # A temporary file this old is left over by a crash even if its writer's pid is
 # unknown here (another host on a shared file system).
 STALE_TMP_AGE_S = 600.0
+_TMP_TOKEN = re.compile(r"[0-9a-f]{8}")  # secrets.token_hex(4)
 
 Writer = Callable[[IO[bytes]], None]
 Hook = Callable[[], None]
@@ -173,10 +174,13 @@ class LocalStorage(Storage):
 
 
 def _is_stale_tmp(entry: Path, now: float) -> bool:
-    """A temporary file whose writer is gone: a dead pid on this host, or too old."""
+    """One of our temporary files whose writer is gone: a dead pid on this host, or too
+    old. Other files are never ours: a job's own files may share the directory."""
     # ".{name}.{host}.{pid}.{token}.tmp": host, pid and token are the last three fields
     parts = entry.name[: -len(TMP_SUFFIX)].rsplit(".", 3)
-    if len(parts) == 4 and parts[1] == _host_tag() and parts[2].isdigit():
+    if len(parts) != 4 or not parts[2].isdigit() or not _TMP_TOKEN.fullmatch(parts[3]):
+        return False
+    if parts[1] == _host_tag():
         pid = int(parts[2])
         if pid != os.getpid() and not _pid_alive(pid):
             return True
