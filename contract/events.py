@@ -20,7 +20,15 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from contract.fields import ByteCount, Count, FiniteOrNone, Int32, PrintedText, Sha256OrNone
+from contract.fields import (
+    ByteCount,
+    Count,
+    FiniteOrNone,
+    Int32,
+    PlainText,
+    PrintedText,
+    Sha256OrNone,
+)
 
 # An event line stays under this size, so that it is appended whole with one write;
 # no text of an event a node wrote is longer.
@@ -109,13 +117,26 @@ class TrainingStarted(EventData):
     total_steps: Count | None = None
 
 
+# Named scalar metrics of one progress report: a few short names, each a number.
+MAX_NAMED_METRICS = 16
+MetricName = Annotated[PlainText, Field(min_length=1, max_length=64)]
+
+
 class TrainingProgress(EventData):
+    """Where training is: ``step_time_s`` is the mean time of the steps since the last
+    report; ``metrics`` are the script's own named scalars (a value that is not finite
+    reads as none)."""
+
     kind = EventKind.PROGRESS
     step: Count = 0
     epoch: Count = 0
     loss: FiniteOrNone = None
     samples_per_s: FiniteOrNone = None
     world_size: Count = 0
+    step_time_s: FiniteOrNone = None
+    metrics: dict[MetricName, FiniteOrNone] = Field(
+        default_factory=dict, max_length=MAX_NAMED_METRICS
+    )
 
 
 class SnapshotSaved(EventData):

@@ -11,6 +11,7 @@ prints ``done rank=R world=W`` and, given ``--out``, rank 0 writes a JSON result
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per step")
     parser.add_argument("--out", help="rank 0 writes a JSON result here")
     args = parser.parse_args()
 
@@ -38,6 +40,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        time.sleep(args.step_delay)
 
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)

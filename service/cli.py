@@ -289,6 +289,12 @@ def _state_text(state: str) -> str:
     return f"[{STATE_COLOURS.get(state, 'white')}]{state}[/]"
 
 
+def step_time_text(job: dict[str, Any]) -> str:
+    """``0.125 s/step``, or ``-`` while the job has no step time (or the controller is older)."""
+    step_time = job.get("step_time_s")
+    return f"{step_time:.3g} s/step" if step_time is not None else "-"
+
+
 @app.command()
 def jobs(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state")] = None,
@@ -298,7 +304,7 @@ def jobs(
     """List jobs, newest first."""
     with _api(url) as client:
         page = client.jobs(state=state, limit=limit)
-    table = Table("id", "name", "state", "nodes", "world", "step", "loss", "restarts")
+    table = Table("id", "name", "state", "nodes", "world", "step", "loss", "step time", "restarts")
     for job in page["items"]:
         table.add_row(
             str(job["id"]),
@@ -308,6 +314,7 @@ def jobs(
             str(job["world_size"] or "-"),
             f"{job['last_step'] or 0}/{job['total_steps'] or '?'}",
             f"{job['last_loss']:.4f}" if job["last_loss"] is not None else "-",
+            step_time_text(job),
             str(job["restart_count"]),
         )
     console.print(table)
@@ -352,7 +359,7 @@ def _status_lines(job: dict[str, Any]) -> list[str]:
     """The lines above the timeline, as markup: state and progress, message, attempts."""
     lines = [
         f"job [bold]{job['id']}[/] {escape(job['name'])}: {_state_text(job['state'])}  "
-        f"step {job['last_step'] or 0}/{job['total_steps'] or '?'}  "
+        f"step {job['last_step'] or 0}/{job['total_steps'] or '?'} ({step_time_text(job)})  "
         f"world size {job['world_size'] or '-'}  restarts {job['restart_count']}"
         f"/{job['spec']['max_restarts']}  membership changes {job['membership_changes']}"
     ]

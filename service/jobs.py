@@ -290,6 +290,26 @@ def last_snapshot_times(session: Session, job_ids: list[int]) -> dict[int, datet
     return {job_id: when for job_id, when in session.execute(stmt).all()}
 
 
+def last_step_times(session: Session, job_ids: list[int]) -> dict[int, float]:
+    """Each job's latest mean step time, in seconds: between its last two progress reports,
+    when both came from the same attempt and the step moved on (others are left out)."""
+    times: dict[int, float] = {}
+    for job_id in job_ids:
+        stmt = (
+            select(Metric.attempt_id, Metric.time, Metric.step)
+            .where(Metric.job_id == job_id)
+            .order_by(Metric.id.desc())
+            .limit(2)
+        )
+        rows = session.execute(stmt).all()
+        if len(rows) < 2:
+            continue
+        (attempt, end, last), (earlier_attempt, start, first) = rows
+        if attempt == earlier_attempt and last > first and end >= start:
+            times[job_id] = (end - start).total_seconds() / (last - first)
+    return times
+
+
 def job_snapshots(
     session: Session, job_id: int, viewer: User, limit: int, offset: int
 ) -> list[Snapshot]:

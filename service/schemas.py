@@ -75,6 +75,11 @@ class JobPublic(BaseModel):
     last_step: int | None
     total_steps: int | None
     last_loss: float | None
+    step_time_s: float | None = Field(
+        default=None,
+        description="Mean time of one step between the last two progress reports of the "
+        "running attempt",
+    )
     message: str
     last_snapshot_at: datetime | None = Field(
         default=None, description="When rank 0 last committed a snapshot"

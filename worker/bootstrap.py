@@ -7,13 +7,16 @@ Usage (the node agent builds it; torchrun starts one per local rank)::
 
 The program runs unchanged: as ``__main__``, with ``sys.argv`` and (for a
 script) ``sys.path[0]`` as ``python SCRIPT`` / ``python -m MODULE`` set them. The
-bootstrap adds two things around it:
+bootstrap adds three things around it:
 
 - torch's ``@record``: an uncaught exception is written to the worker's error
   file, so the launcher learns its type (a start-up error such as an
   ``ImportError`` fails the job at once instead of restarting it);
 - ``faulthandler`` on SIGUSR1: the launcher sends it to take a stack dump of
-  every thread of a hung worker, into the worker's stderr (the job's logs).
+  every thread of a hung worker, into the worker's stderr (the job's logs);
+- a count of optimizer steps (``worker.runtime.step_counter``): a script that
+  reports nothing still shows its step and step time, and beats the
+  hang-detection progress with every step.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ def main() -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from worker.runtime import step_counter
+
+    step_counter.install()
     record(run_program)(sys.argv[1:])
 
 

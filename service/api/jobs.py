@@ -48,7 +48,9 @@ AfterId = Annotated[
 ]
 
 
-def job_public(job: Job, last_snapshot_at: datetime | None = None) -> JobPublic:
+def job_public(
+    job: Job, last_snapshot_at: datetime | None = None, step_time_s: float | None = None
+) -> JobPublic:
     spec = job.job_spec.model_copy(update={"env": dict.fromkeys(job.job_spec.env, REDACTED)})
     return JobPublic(
         id=job.id,
@@ -70,6 +72,7 @@ def job_public(job: Job, last_snapshot_at: datetime | None = None) -> JobPublic:
         last_step=job.last_step,
         total_steps=job.total_steps,
         last_loss=job.last_loss,
+        step_time_s=step_time_s,
         message=job.message,
         last_snapshot_at=last_snapshot_at,
     )
@@ -154,9 +157,11 @@ def list_jobs(
     offset: Offset = 0,
 ) -> JobsPublic:
     items, total = jobs.list_jobs(session, user, state, limit, offset)
-    saved = jobs.last_snapshot_times(session, [j.id for j in items])
+    ids = [j.id for j in items]
+    saved = jobs.last_snapshot_times(session, ids)
+    step_times = jobs.last_step_times(session, ids)
     return JobsPublic(
-        items=[job_public(j, saved.get(j.id)) for j in items],
+        items=[job_public(j, saved.get(j.id), step_times.get(j.id)) for j in items],
         total=total,
         limit=limit,
         offset=offset,
@@ -168,7 +173,8 @@ def get_job(job_id: IdPath, session: ReadSessionDep, user: UserDep) -> JobDetail
     job = jobs.job_for(session, job_id, user)
     attempts = [attempt_public(a) for a in job.attempts]
     saved = jobs.last_snapshot_times(session, [job.id]).get(job.id)
-    return JobDetail(**job_public(job, saved).model_dump(), attempts=attempts)
+    step_time = jobs.last_step_times(session, [job.id]).get(job.id)
+    return JobDetail(**job_public(job, saved, step_time).model_dump(), attempts=attempts)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

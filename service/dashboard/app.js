@@ -343,7 +343,14 @@ function jobPage(jobId) {
         {},
         `owner ${job.owner ?? "–"} · world size ${job.world_size ?? "–"} of ${job.min_nodes}:${job.max_nodes} nodes · restarts ${job.restart_count} / ${job.spec.max_restarts} · membership changes ${job.membership_changes} · last snapshot ${ago(job.last_snapshot_at)} · running ${duration(job.started_at, job.finished_at)}`,
       ),
-      h("p", {}, "progress ", progress(job), job.last_loss !== null ? ` · loss ${job.last_loss.toFixed(4)}` : ""),
+      h(
+        "p",
+        {},
+        "progress ",
+        progress(job),
+        job.last_loss !== null ? ` · loss ${job.last_loss.toFixed(4)}` : "",
+        job.step_time_s != null ? ` · ${job.step_time_s.toPrecision(3)} s/step` : "",
+      ),
       job.message ? h("p", { class: "muted" }, job.message) : null,
       TERMINAL.has(job.state)
         ? null

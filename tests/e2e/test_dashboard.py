@@ -175,6 +175,41 @@ def test_a_job_is_watched_killed_restarted_and_cancelled_from_the_page(
         )
 
 
+def test_a_script_with_its_own_snapshots_shows_its_loss_curve_restart_and_resume(
+    page: Page, cluster: LocalCluster
+) -> None:
+    assert cluster.admin_token is not None
+    sign_in(page, cluster.admin_token)
+    script = Path(__file__).resolve().parents[2] / "examples" / "ddp_script.py"
+    args = ["--epochs", "6", "--points", "512", "--batch-size", "16", "--step-delay", "0.1"]
+    spec = {
+        "name": "own-script",
+        "script": {"path": str(script), "args": args},
+        "nnodes": "2:2",
+        "max_restarts": 3,
+    }
+    with cluster.client() as client:
+        job_id = client.submit(spec)["id"]
+        page.locator(f'tr[data-job="{job_id}"] a').first.click()
+        expect(page.locator("[data-testid=loss-line]")).to_be_visible()
+        expect(page.locator("h2 + p + p")).to_contain_text("s/step")
+        steps_per_epoch = 512 // (16 * 2)
+        wait_for(
+            "two epochs (two snapshots)",
+            lambda: (client.job(job_id)["last_step"] or 0) >= 2 * steps_per_epoch + 2,
+            180,
+            POLL_S,
+        )
+        kill_one_worker(cluster, client, job_id)
+        timeline = page.locator("[data-testid=timeline]")
+        expect(page.locator("[data-testid=restart-marker]")).to_have_count(1)
+        resumed = timeline.locator('tr[data-kind="resumed"]')
+        expect(resumed).to_contain_text("resumed from snapshot at step")
+        expect(page.locator("h2 [data-testid=state]")).to_have_text("SUCCEEDED")
+        expect(page.locator("[data-testid=loss-line]")).to_be_visible()
+        shot(page, "script-job")
+
+
 def kill_one_worker(cluster: LocalCluster, client: RelaunchClient, job_id: int) -> None:
     workers = wait_for("the job's workers", lambda: cluster.job_workers(job_id), 60, POLL_S)
     workers[-1].send_signal(signal.SIGKILL)

@@ -40,6 +40,7 @@ from contract.events import (
     TrainingStarted,
 )
 from contract.paths import is_url
+from worker import report
 from worker.runtime.collectives import agree_on_snapshot, mean_across_ranks
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
@@ -98,6 +99,8 @@ class Trainer:
         events: EventWriter | None = None,
     ) -> None:
         self.config = config
+        # The Trainer reports its own steps; optimizer steps are not counted as well.
+        report.manual_steps()
         self.env = env if env is not None else DistEnv.from_environ()
         self._owns_process_group = not dist.is_initialized()
         if self._owns_process_group:
