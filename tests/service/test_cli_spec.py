@@ -17,7 +17,9 @@ def test_submit_sends_the_working_dir_flag_over_the_spec_files(
 ) -> None:
     sent: list[dict[str, Any]] = []
 
-    def submit(self: object, spec: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+    def submit(
+        self: object, spec: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
         sent.append(spec)
         return {"id": 7, "name": spec["name"], "state": "PENDING"}
 
