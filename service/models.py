@@ -250,6 +250,8 @@ class Metric(Base):
     loss: Mapped[float | None] = mapped_column(Float)
     samples_per_s: Mapped[float | None] = mapped_column(Float)
     world_size: Mapped[int] = mapped_column(Integer)
+    # The script's own named scalars (``worker.report.step(metrics=...)``), if any.
+    named: Mapped[dict[str, float | None] | None] = mapped_column(JSON)
 
 
 class LogEntry(Base):

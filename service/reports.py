@@ -247,6 +247,7 @@ def _progress(data: TrainingProgress, at: _Applied) -> None:
             loss=data.loss,
             samples_per_s=data.samples_per_s,
             world_size=data.world_size,
+            named=dict(data.metrics) or None,
         )
     )
     at.job.last_step = data.step

@@ -120,6 +120,9 @@ class MetricPublic(_FromRow):
     loss: float | None
     samples_per_s: float | None
     world_size: int
+    named: dict[str, float | None] | None = Field(
+        default=None, description="The script's own named scalars of this report, if any"
+    )
 
 
 class MetricsPublic(BaseModel):

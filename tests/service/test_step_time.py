@@ -39,6 +39,8 @@ def test_a_job_shows_the_mean_step_time_between_its_last_two_progress_reports(
     assert shown["step_time_s"] == 0.25  # 2 s over 8 steps
     [listed] = api.get("/api/v1/jobs").json()["items"]
     assert listed["step_time_s"] == 0.25
+    metrics = api.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [m["named"] for m in metrics] == [None, {"acc": 0.5}, {"acc": 0.75}]
 
 
 def test_too_many_named_metrics_are_refused(api: Cluster, reconciler: Reconciler) -> None:
