@@ -31,7 +31,7 @@ from contract.events import (
     WorkerFailed,
 )
 from contract.protocol import AttemptExit, AttemptReport, StopReason
-from service.attempts import drop_member, end_attempt, end_member, find_member
+from service.attempts import active_members, drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
 from service.job_events import add_event, last_membership_change
 from service.jobs import change_job_state, get_job
@@ -139,9 +139,28 @@ def _apply_event(data: EventData, at: _Applied) -> None:
 
 @_apply_event.register
 def _rendezvous(data: RendezvousComplete, at: _Applied) -> None:
+    """Record a completed rendezvous round (once, from the node of group rank 0).
+
+    A round that shrank the world while the controller still counts more active
+    members than the round has nodes went ahead without a node the controller has not
+    yet found gone (its heartbeat has not timed out). The timeline then says so first,
+    so the cause comes before the smaller rendezvous it explains; the node's own
+    ``node_left`` follows when the controller marks it.
+    """
     world = data.world_size or None
+    before = at.attempt.world_size
     at.attempt.world_size = at.job.world_size = world
     if data.group_rank == 0:
+        members = len(active_members(at.session, at.attempt.id))
+        nodes = data.group_world_size
+        if world and before and world < before and nodes is not None and nodes < members:
+            at.add_event(
+                "node_missing",
+                f"the workers of attempt {at.attempt.number} re-formed without "
+                f"{members - nodes} of its {members} node(s): a node stopped answering in the "
+                "rendezvous; the controller drops it when its heartbeat times out",
+                data,
+            )
         at.add_event(
             "rendezvous",
             f"rendezvous of attempt {at.attempt.number} complete: world size {world}, "

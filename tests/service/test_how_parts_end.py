@@ -149,3 +149,24 @@ def test_events_before_any_membership_change_keep_the_nodes_time(
     assert r.status_code == 200, r.text
     [event] = [e for e in _events(api, job_id) if e["kind"] == "rendezvous"]
     assert datetime.fromisoformat(event["time"]) == seen
+
+
+def test_a_rendezvous_that_shrank_before_the_controller_noticed_says_why_first(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """The survivors re-form (keep-alive expiry) before the silent node's heartbeat
+    times out: the timeline says a node is missing before the smaller rendezvous."""
+    a, _ = register(api, "a"), register(api, "b")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    full = {"world_size": 2, "group_rank": 0, "group_world_size": 2}
+    shrunk = {"world_size": 1, "group_rank": 0, "group_world_size": 1}
+    for data in (full, shrunk):
+        clock.advance(3)
+        event = {"time": clock().isoformat(), "kind": "rendezvous", "data": data}
+        assert report(api, a, attempt_id, events=[event]).status_code == 200
+    order = [e["kind"] for e in _events(api, job_id)]
+    assert order.count("node_missing") == 1  # the first, full round is not a shrink
+    assert order.index("node_missing") == len(order) - 2 and order[-1] == "rendezvous"
+    assert _members(api, job_id) == {"a": "ACTIVE", "b": "ACTIVE"}  # the heartbeat decides
