@@ -56,13 +56,20 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
 
 def memberships(session: Session, node_id: int) -> list[AttemptMember]:
     """The node's active memberships of running attempts."""
+    return _active_memberships(session, node_id, Attempt.state == AttemptState.RUNNING)
+
+
+def _active_memberships(
+    session: Session, node_id: int, attempt_is: ColumnElement[bool]
+) -> list[AttemptMember]:
+    """The node's ACTIVE memberships of the attempts ``attempt_is`` selects."""
     stmt = (
         select(AttemptMember)
         .join(Attempt, Attempt.id == AttemptMember.attempt_id)
         .where(
             AttemptMember.node_id == node_id,
             AttemptMember.state == MemberState.ACTIVE,
-            Attempt.state == AttemptState.RUNNING,
+            attempt_is,
         )
     )
     return list(session.scalars(stmt))
@@ -72,16 +79,7 @@ def _release_finishing(session: Session, node_id: int, now: datetime) -> None:
     """End as LEFT the node's memberships still ACTIVE in attempts that have ended (an
     attempt that SUCCEEDED waits for each member's own exit): a node that is gone
     or restarted will not report them."""
-    stmt = (
-        select(AttemptMember)
-        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
-        .where(
-            AttemptMember.node_id == node_id,
-            AttemptMember.state == MemberState.ACTIVE,
-            Attempt.state != AttemptState.RUNNING,
-        )
-    )
-    for member in session.scalars(stmt):
+    for member in _active_memberships(session, node_id, Attempt.state != AttemptState.RUNNING):
         end_member(session, member, MemberState.LEFT, now)
 
 
