@@ -36,9 +36,9 @@ ENV PATH=/opt/relaunch/bin:$PATH \
     RELAUNCH_SNAPSHOT_ROOT=/snapshots
 USER relaunch
 WORKDIR /var/lib/relaunch
-# API, rendezvous store. Worker ports are chosen at run time; keep all but the
-# API on a private network.
-EXPOSE 8080 29400
+# The API (which also serves the rendezvous). Worker ports are chosen at run time;
+# keep all but the API on a private network.
+EXPOSE 8080
 # Controller: /healthz answers. Agent (RELAUNCH_AGENT_CONTROLLER_URL set): its loop turns.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["relaunch", "healthcheck"]

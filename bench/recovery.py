@@ -177,9 +177,7 @@ class Relaunch:
     name = "relaunch"
 
     def __init__(self, work: Path) -> None:
-        self.cluster = LocalCluster(
-            data_dir=work / "relaunch", port=free_port(), store_port=free_port()
-        )
+        self.cluster = LocalCluster(data_dir=work / "relaunch", port=free_port())
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
         self.cluster.start_controller()
         self.client = self.cluster.client()

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="relaunch-bench-status-"))
-    cluster = LocalCluster(data_dir=work, port=free_port(), store_port=free_port())
+    cluster = LocalCluster(data_dir=work, port=free_port())
     try:
         cluster.start_controller()
         for name in ("node-a", "node-b"):

@@ -82,19 +82,31 @@ class WorkerFailed(EventData):
     global_rank: Count | None = None
     exitcode: Int32 | None = None
     message: Text = ""
-    # "crash" | "hang" | "fatal_exit_code" | "startup_error" | "peer_lost"
+    # "crash" | "hang" | "fatal_exit_code" | "startup_error" | "peer_lost" | "membership_change"
     cause: Text = Field(default="crash", min_length=1, max_length=64)
     fatal: bool = False
 
 
+# Causes of a worker's end that are no failure of the job, so cost no restart: its
+# collective broke because a peer went away ("peer_lost"), or its node agent ended it
+# because the controller dropped a member of the attempt ("membership_change").
+UNCHARGED_CAUSES = frozenset({"peer_lost", "membership_change"})
+
+
 class HangDetected(EventData):
-    """A worker made no progress for ``timeout_s``; it is ended and the workers restart."""
+    """A worker made no progress for ``timeout_s``; it is ended and the workers restart.
+
+    ``rule`` says where ``timeout_s`` came from: ``fixed`` (the spec's number) or
+    ``adaptive`` (derived from the worker's beats); ``derivation`` says how, in words.
+    """
 
     kind = EventKind.HANG
     local_rank: Count | None = None
     global_rank: Count | None = None
     idle_s: FiniteOrNone = None
     timeout_s: FiniteOrNone = None
+    rule: Literal["fixed", "adaptive"] | None = None
+    derivation: Annotated[PrintedText, Field(max_length=300)] | None = None
 
 
 class LauncherExited(EventData):

@@ -38,8 +38,16 @@ SNAPSHOT_ASYNC_ENV = "RELAUNCH_SNAPSHOT_ASYNC"
 EVENTS_FILE_ENV = "RELAUNCH_EVENTS_FILE"
 # Each worker touches ``<dir>/local-<LOCAL_RANK>`` as it makes progress (hang detection).
 PROGRESS_DIR_ENV = "RELAUNCH_PROGRESS_DIR"
-# host:port of the controller's store; rank 0 takes the snapshot-writer token there.
-STORE_ENDPOINT_ENV = "RELAUNCH_STORE_ENDPOINT"
+# The controller's URL and the attempt's worker token (``Assignment.worker_token``):
+# rank 0 takes and checks its snapshot-writer token there. Never the node's own token.
+CONTROLLER_URL_ENV = "RELAUNCH_CONTROLLER_URL"
+WORKER_TOKEN_ENV = "RELAUNCH_WORKER_TOKEN"
+# Seconds a collective may wait before it fails (``Assignment.collective_timeout_s``);
+# the built-in Trainer gives it to ``init_process_group``.
+COLLECTIVE_TIMEOUT_ENV = "RELAUNCH_COLLECTIVE_TIMEOUT_S"
+# The longest a worker may go without a beat when its timeout is derived from its own
+# beats (``hang_timeout_s: auto``), and what such a job is sent as ``hang_timeout_s``.
+ADAPTIVE_HANG_CAP_S = 600.0
 
 
 class NodeRegister(BaseModel):
@@ -47,6 +55,13 @@ class NodeRegister(BaseModel):
     address: PlainText = Field(min_length=1, max_length=255)
     slots: int = Field(ge=1, le=1024)
     pid: int = Field(ge=0, le=2**31 - 1)
+    node_token: str | None = Field(
+        default=None,
+        max_length=128,
+        description="The token this node got when it last registered, if it kept it: "
+        "needed to register under the name of a node that is ALIVE (an agent that "
+        "restarted takes its place back)",
+    )
 
 
 class NodeRegistered(BaseModel):
@@ -67,9 +82,9 @@ class Entrypoint(BaseModel):
 
 
 class RendezvousConfig(BaseModel):
-    """c10d rendezvous settings; ``is_host`` is always false on nodes."""
+    """Settings of torch's dynamic rendezvous, which the controller serves
+    (``contract.rendezvous``) under ``rdzv_id`` to the attempt's member nodes."""
 
-    endpoint: str
     rdzv_id: str
     last_call_timeout_s: int = 2
     join_timeout_s: int = 600
@@ -112,7 +127,22 @@ class Assignment(BaseModel):
     max_nodes: int
     nproc_per_node: int
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
-    hang_timeout_s: float | None = None
+    hang_timeout_s: float | None = Field(
+        default=None,
+        description="Seconds without a progress beat after which a worker is hung; None: "
+        "never. With hang_timeout_adaptive, the most the derived timeout may be (a node "
+        "that does not know adaptive timeouts uses it as a fixed one)",
+    )
+    hang_timeout_adaptive: bool = Field(
+        default=False,
+        description="Derive each worker's hang timeout from its own beat intervals "
+        "(worker.hang), up to hang_timeout_s",
+    )
+    collective_timeout_s: float | None = Field(
+        default=None,
+        description="What the built-in Trainer gives init_process_group as its timeout "
+        "(RELAUNCH_COLLECTIVE_TIMEOUT_S); None: its own default",
+    )
     rendezvous: RendezvousConfig
     entrypoint: Entrypoint
     env: dict[str, str] = Field(default_factory=dict)
@@ -126,6 +156,30 @@ class Assignment(BaseModel):
     snapshot_every_epochs: int | None = None
     snapshot_keep: int = 2
     snapshot_async: bool = True
+    worker_token: str | None = Field(
+        default=None,
+        description="The secret this node's workers of the attempt show the controller (the "
+        "snapshot fence); sent while the node does not yet run the attempt",
+    )
+    member_id: int | None = Field(
+        default=None,
+        description="The controller's id of this node's membership of the attempt: a node "
+        "that left the attempt and joins it again gets a new one, and runs the attempt again",
+    )
+    membership_generation: int = Field(
+        default=0,
+        ge=0,
+        description="How many members the attempt has lost so far. When it moves while the "
+        "node runs the attempt, the node ends its workers so that they re-form at once "
+        "without the lost members (a collective waiting on a frozen or cut-off peer cannot "
+        "be relied on to fail)",
+    )
+    active_members: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many nodes are members of the attempt now: a node whose workers "
+        "already formed with no more nodes than this has nothing to re-form",
+    )
 
 
 class RunningAttempt(BaseModel):
@@ -169,6 +223,12 @@ class AttemptExit(BaseModel):
 
 class AttemptReport(BaseModel):
     attempt_id: Id
+    member_id: Id | None = Field(
+        default=None,
+        description="The membership this run of the attempt serves (Assignment.member_id): "
+        "a node that left an attempt and joined it again reports its old run apart from the "
+        "new one. None: the node's newest membership of the attempt",
+    )
     logs: list[LogLine] = Field(default_factory=list, max_length=5000)
     events: list[RuntimeEvent] = Field(default_factory=list, max_length=5000)
     exit: AttemptExit | None = None

@@ -10,9 +10,11 @@ from sqlalchemy.orm import Session
 
 from contract.protocol import Assignment, Entrypoint, RendezvousConfig
 from contract.tasks import TASKS, task_args
+from service import rendezvous
 from service.errors import StaleState
 from service.job_events import add_event
 from service.models import Attempt, AttemptMember, Job, Node
+from service.secrets import Keyring, open_env
 from service.settings import ControllerSettings
 from service.spec import JobSpec
 from service.states import AttemptState, MemberState
@@ -44,7 +46,6 @@ def create_attempt(
         job_id=job.id,
         number=number,
         rdzv_id=rdzv_id_for(job.id, number),
-        rdzv_endpoint=settings.store_endpoint,
         state=AttemptState.RUNNING,
         started_count=0,
         created_at=now,
@@ -74,14 +75,18 @@ def active_members(session: Session, attempt_id: int) -> list[AttemptMember]:
     return list(session.scalars(stmt))
 
 
-def find_member(session: Session, attempt_id: int, node_id: int) -> AttemptMember | None:
-    """The node's newest membership of the attempt."""
+def find_member(
+    session: Session, attempt_id: int, node_id: int, member_id: int | None = None
+) -> AttemptMember | None:
+    """The node's membership ``member_id`` of the attempt, or its newest one if None."""
     stmt = (
         select(AttemptMember)
         .where(AttemptMember.attempt_id == attempt_id, AttemptMember.node_id == node_id)
         .order_by(AttemptMember.id.desc())
         .limit(1)
     )
+    if member_id is not None:
+        stmt = stmt.where(AttemptMember.id == member_id)
     return session.scalars(stmt).first()
 
 
@@ -107,6 +112,7 @@ def end_attempt(
     new = AttemptState(new)
     if not transition(session, attempt, new, ended_at=now, result=result):
         raise StaleState(f"attempt {attempt.id} is no longer running")
+    rendezvous.forget_attempt(session, attempt.id)
     if new is not AttemptState.SUCCEEDED:
         for member in active_members(session, attempt.id):
             end_member(session, member, MemberState.LEFT, now)
@@ -156,6 +162,13 @@ def drop_member(
         )
 
 
+def membership_generation(attempt: Attempt) -> int:
+    """How many memberships of the running ``attempt`` have ended as LEFT: the members it
+    lost. It only grows while the attempt runs (a member that comes back gets a new row),
+    so a node that sees it move knows that a member its workers may wait on is gone."""
+    return sum(1 for m in attempt.members if m.state is MemberState.LEFT)
+
+
 def entrypoint_for(spec: JobSpec) -> Entrypoint:
     if spec.task is not None:
         info = TASKS[spec.task.name]
@@ -164,8 +177,20 @@ def entrypoint_for(spec: JobSpec) -> Entrypoint:
     return Entrypoint(module=spec.script.module, script=spec.script.path, args=spec.script.args)
 
 
-def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> Assignment:
+def assignment_for(
+    attempt: Attempt,
+    job: Job,
+    settings: ControllerSettings,
+    keyring: Keyring,
+    worker_token: str | None = None,
+    member_id: int | None = None,
+) -> Assignment:
+    """What a member node runs for ``attempt``: the job's env in the clear (only nodes
+    are sent it), and, the first time, the worker token of its membership (``member_id``).
+    It carries the attempt's membership generation, so the members re-form at once
+    when one of them is dropped."""
     spec = job.job_spec
+    hang_timeout_s, hang_adaptive = spec.hang_timeout()
     return Assignment(
         attempt_id=attempt.id,
         job_id=job.id,
@@ -174,9 +199,10 @@ def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> 
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
         restart=spec.restart_policy(restarts_before=job.restart_count),
-        hang_timeout_s=spec.hang_timeout_s,
+        hang_timeout_s=hang_timeout_s,
+        hang_timeout_adaptive=hang_adaptive,
+        collective_timeout_s=spec.collective_timeout_s,
         rendezvous=RendezvousConfig(
-            endpoint=attempt.rdzv_endpoint,
             rdzv_id=attempt.rdzv_id,
             last_call_timeout_s=settings.rdzv_last_call_timeout_s,
             join_timeout_s=settings.rdzv_join_timeout_s,
@@ -184,11 +210,15 @@ def assignment_for(attempt: Attempt, job: Job, settings: ControllerSettings) -> 
             keep_alive_max_attempt=settings.rdzv_keep_alive_max_attempt,
         ),
         entrypoint=entrypoint_for(spec),
-        env=spec.env,
+        env=open_env(keyring, job.spec),
         snapshot_dir=snapshot_dir_for(settings, job.id),
         working_dir=spec.working_dir,
         snapshot_every_steps=spec.snapshot.every_steps,
         snapshot_every_epochs=spec.snapshot.every_epochs,
         snapshot_keep=spec.snapshot.keep,
         snapshot_async=spec.snapshot.background,
+        worker_token=worker_token,
+        member_id=member_id,
+        membership_generation=membership_generation(attempt),
+        active_members=sum(1 for m in attempt.members if m.state is MemberState.ACTIVE),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from contract.cli import (
 from contract.labels import log_label
 from contract.protocol import DEFAULT_CONTROLLER_URL
 from contract.tasks import TASKS
+from service.admin_cli import admin_app
 from service.client import (
     TERMINAL_STATES,
     TOKEN_ENV,
@@ -112,7 +114,7 @@ def server(
     ] = None,
     log_level: LogLevelOption = "info",
 ) -> None:
-    """Run the controller: REST API, reconciler and rendezvous store.
+    """Run the controller: REST API (with every job's rendezvous) and reconciler.
 
     Configured by RELAUNCH_* environment variables (see the README); DATABASE_URL
     selects PostgreSQL instead of the embedded SQLite file.
@@ -120,6 +122,7 @@ def server(
     import uvicorn
 
     from service.api.app import create_app
+    from service.secrets import SecretsKeyError, load_keyring
     from service.settings import ControllerSettings
 
     setup_logging(log_level)
@@ -129,8 +132,12 @@ def server(
     if port is not None:
         overrides["port"] = port
     settings = load_settings(ControllerSettings, "controller", **overrides)
+    try:
+        keyring = load_keyring(settings)  # checked against the database at start
+    except SecretsKeyError as exc:
+        raise fail(str(exc)) from exc
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, keyring=keyring),
         host=settings.host,
         port=settings.port,
         log_level=log_level.lower(),
@@ -157,7 +164,6 @@ def healthcheck(
     import httpx
 
     from service.settings import ControllerSettings
-    from service.store import connect_host
 
     role = role or ("agent" if os.environ.get("RELAUNCH_AGENT_CONTROLLER_URL") else "controller")
     checks = {entry.name: entry for entry in entry_points(group=HEALTH_CHECKS_GROUP)}
@@ -167,7 +173,8 @@ def healthcheck(
     if role != "controller":
         raise fail(f"--role must be {' or '.join(['controller', *checks])}, got {role!r}")
     settings = load_settings(ControllerSettings, "controller")
-    url = f"http://{connect_host(settings.host)}:{settings.port}/healthz"
+    host = "127.0.0.1" if settings.host in ("", "0.0.0.0", "::") else settings.host
+    url = f"http://{host}:{settings.port}/healthz"
     try:
         reply = httpx.get(url, timeout=5.0)
     except httpx.HTTPError as exc:
@@ -471,6 +478,7 @@ def cancel(
     console.print(f"job {job['id']}: {_state_text(job['state'])}")
 
 
+app.add_typer(admin_app, name="admin")
 users_app = typer.Typer(help="Users and their API tokens (admin only)", no_args_is_help=True)
 app.add_typer(users_app, name="users")
 
@@ -554,6 +562,88 @@ def users_revoke(
     with _api(url) as client:
         client.revoke_token(token_id)
     console.print(f"token {token_id} revoked")
+
+
+nodes_app = typer.Typer(help="Nodes and what admits them", no_args_is_help=True)
+app.add_typer(nodes_app, name="nodes")
+node_tokens_app = typer.Typer(
+    help="Per-node enrolment tokens (admin only): the production way to admit nodes",
+    no_args_is_help=True,
+)
+nodes_app.add_typer(node_tokens_app, name="token")
+
+_DURATION = re.compile(r"^(\d+)([smhd])$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in ``30m``, ``1h``, ``7d`` (one number, one unit: s, m, h or d)."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise fail(f"--expires-in: {text!r} is not a duration like 30m, 1h or 7d")
+    return int(match.group(1)) * _SECONDS[match.group(2)]
+
+
+@node_tokens_app.command("create")
+def node_token_create(
+    name: Annotated[
+        str | None, typer.Option(help="Admit only the node of this name (default: any name)")
+    ] = None,
+    expires_in: Annotated[
+        str, typer.Option(help="Lifetime, e.g. 30m, 1h or 7d (at most 366d)")
+    ] = "24h",
+    reusable: Annotated[
+        bool,
+        typer.Option(
+            "--reusable", help="Admit any number of registrations until it expires (default: one)"
+        ),
+    ] = False,
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Make an enrolment token for a node's agent (RELAUNCH_AGENT_ENROLMENT_TOKEN) and print it."""
+    seconds = parse_duration(expires_in)
+    with _api(url) as client:
+        made = client.create_enrolment_token(name, seconds, single_use=not reusable)
+    row = made["token"]
+    console.print(
+        f"enrolment token [bold]{row['id']}[/] for {escape(name or 'any node name')}, "
+        f"{'reusable' if reusable else 'single-use'}, expires {row['expires_at'][:19]} UTC"
+    )
+    console.print("enrolment token (shown this once; only its hash is kept):")
+    typer.echo(made["secret"])
+
+
+@node_tokens_app.command("list")
+def node_token_list(url: UrlOption = DEFAULT_URL) -> None:
+    """List enrolment tokens (never their text)."""
+    with _api(url) as client:
+        rows = client.enrolment_tokens()
+    table = Table("id", "node", "use", "expires", "used", "revoked", "created")
+    for row in rows:
+        table.add_row(
+            str(row["id"]),
+            escape(row["node_name"] or "any"),
+            "single" if row["single_use"] else "reusable",
+            row["expires_at"][:19],
+            (row["used_at"] or "")[:19],
+            (row["revoked_at"] or "")[:19],
+            row["created_at"][:19],
+        )
+    console.print(table)
+
+
+@node_tokens_app.command("revoke")
+def node_token_revoke(
+    token_id: Annotated[
+        int, typer.Argument(help="The enrolment token's id (`relaunch nodes token list`)")
+    ],
+    url: UrlOption = DEFAULT_URL,
+) -> None:
+    """Revoke an enrolment token: it admits no registration from now on (nodes it
+    admitted keep running)."""
+    with _api(url) as client:
+        client.revoke_enrolment_token(token_id)
+    console.print(f"enrolment token {token_id} revoked")
 
 
 @app.command()

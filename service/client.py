@@ -352,3 +352,22 @@ class RelaunchClient:
     def revoke_token(self, token_id: int) -> dict[str, Any]:
         result: dict[str, Any] = self._call("POST", f"/api/v1/tokens/{token_id}/revoke")
         return result
+
+    # Per-node enrolment tokens (admins only)
+
+    def create_enrolment_token(
+        self, node_name: str | None = None, expires_in_s: int = 86400, single_use: bool = True
+    ) -> dict[str, Any]:
+        """A new token a node's agent registers with: ``{"token": ..., "secret": ...}``;
+        the secret is in this answer only."""
+        body = {"node_name": node_name, "expires_in_s": expires_in_s, "single_use": single_use}
+        result: dict[str, Any] = self._call("POST", "/api/v1/enrolment-tokens", json=body)
+        return result
+
+    def enrolment_tokens(self) -> list[dict[str, Any]]:
+        return self._items("/api/v1/enrolment-tokens")
+
+    def revoke_enrolment_token(self, token_id: int) -> dict[str, Any]:
+        path = f"/api/v1/enrolment-tokens/{token_id}/revoke"
+        result: dict[str, Any] = self._call("POST", path)
+        return result

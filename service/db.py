@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,11 +63,44 @@ def _sqlite_begin_read(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN")
 
 
+# Others may pass through the data dir (to the snapshot root beneath it, where each job's
+# user owns its own directory) but never list it; every file the controller keeps there is 0600.
+DATA_DIR_MODE = 0o711
+
+
+def make_private_dir(path: Path) -> None:
+    """Make ``path`` a directory only its owner can list or write (``DATA_DIR_MODE``); one
+    that exists with a wider mode is tightened, with a warning. Its missing parents get the
+    default mode."""
+    path.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+    _tighten(path, DATA_DIR_MODE)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    now = stat.S_IMODE(path.stat().st_mode)
+    if now & ~mode:
+        logger.warning("%s could be read by other users (mode %o); made it %o", path, now, mode)
+        path.chmod(now & mode)
+
+
 def make_sqlite_parent(url: str) -> None:
-    """Make the directory of the SQLite file ``url`` names; SQLite makes only the file."""
+    """Make the SQLite file ``url`` names, readable and writable by its owner only (0600),
+    in a directory made ``DATA_DIR_MODE`` if missing (an existing directory is left as it is).
+
+    SQLite gives its WAL and shared-memory files the database file's mode; an existing
+    database or one of those files with a wider mode is tightened, with a warning."""
     parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return
+    if parsed.database == ":memory:" or parsed.database.startswith("file:"):
+        return
+    path = Path(parsed.database)
+    if not path.parent.exists():
+        path.parent.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for each in (path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
+        if each.exists():
+            _tighten(each, 0o600)
 
 
 def _sqlite_engine(url: str) -> Engine:

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from service.client import RelaunchError
-from service.local_cluster import LocalCluster, free_port
+from service.local_cluster import LocalCluster
 from service.timeline import print_timeline
 
 DEMO_SPEC: dict[str, Any] = {
@@ -37,10 +37,10 @@ def run_demo(console: Console, port: int = 8080, keep_running: bool | None = Non
     if keep_running is None:
         keep_running = sys.stdout.isatty()
     data_dir = Path(tempfile.mkdtemp(prefix="relaunch-demo-"))
-    cluster = LocalCluster(data_dir=data_dir, port=port, store_port=free_port())
+    cluster = LocalCluster(data_dir=data_dir, port=port)
     console.print(f"[bold]relaunch demo[/]  (state and logs in {data_dir})")
     try:
-        with console.status("starting the controller (SQLite, migrations, rendezvous store)"):
+        with console.status("starting the controller (SQLite, migrations)"):
             cluster.start_controller()
         with console.status("starting two node agents"):
             cluster.start_agent("node-a")

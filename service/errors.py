@@ -37,6 +37,10 @@ class Forbidden(RelaunchError):
     """A valid credential that may not do this (HTTP 403)."""
 
 
+class TooLarge(RelaunchError):
+    """A value, key or state over the controller's bounds, or one too many (HTTP 413)."""
+
+
 class LimitReached(Conflict):
     """The user's limit on unfinished jobs or on nodes would be passed (HTTP 409)."""
 

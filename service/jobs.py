@@ -18,10 +18,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.interfaces import ORMOption
 
+from service import fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.job_events import add_event
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
+from service.secrets import Keyring, seal_spec
 from service.spec import JobSpec, parse_nnodes
 from service.states import TERMINAL_JOB_STATES, JobState
 from service.transitions import transition
@@ -37,10 +39,13 @@ class Limits:
     nodes: int
 
 
-def spec_digest(spec: JobSpec) -> str:
-    """The same spec gives the same digest, however its JSON was spaced or ordered."""
+def spec_digests(spec: JobSpec, keyring: Keyring) -> list[str]:
+    """What a spec's digest may be, the one to store first: the same spec gives the same
+    digests, however its JSON was spaced or ordered. Keyed (HMAC) with each key, since
+    the spec holds the env's values in the clear; the unkeyed sha256 last, as digests
+    were stored before."""
     canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return [*keyring.digests(canonical.encode()), hashlib.sha256(canonical.encode()).hexdigest()]
 
 
 def submit_job(
@@ -49,9 +54,11 @@ def submit_job(
     owner: User,
     now: datetime,
     limits: Limits,
+    keyring: Keyring,
     idempotency_key: str | None = None,
 ) -> tuple[Job, bool]:
-    """A new PENDING job of ``owner``; returns it and whether it was made now.
+    """A new PENDING job of ``owner``; returns it and whether it was made now. Its
+    env values are stored encrypted with ``keyring``'s first key.
 
     With ``idempotency_key``, a key this user sent before with the same spec
     gives back that job (``False``); with another spec it raises
@@ -62,7 +69,7 @@ def submit_job(
     # Lock the owner's row: their submits run one at a time, so two cannot both
     # pass the limits below.
     session.scalars(select(User).where(User.id == owner.id).with_for_update()).one()
-    digest = spec_digest(spec)
+    digests = spec_digests(spec, keyring)
     if idempotency_key is not None:
         earlier = session.scalars(
             select(IdempotencyKey).where(
@@ -70,7 +77,7 @@ def submit_job(
             )
         ).one_or_none()
         if earlier is not None:
-            if earlier.body_sha256 != digest:
+            if earlier.body_sha256 not in digests:
                 raise IdempotencyMismatch(
                     f"Idempotency-Key {idempotency_key!r} was used for job {earlier.job_id} "
                     "with a different body; use a new key for a new job"
@@ -80,7 +87,7 @@ def submit_job(
     job = Job(
         name=spec.name,
         owner_id=owner.id,
-        spec=spec.model_dump(mode="json"),
+        spec=seal_spec(keyring, spec.model_dump(mode="json")),
         state=JobState.PENDING,
         created_at=now,
         updated_at=now,
@@ -96,7 +103,7 @@ def submit_job(
             IdempotencyKey(
                 user_id=owner.id,
                 key=idempotency_key,
-                body_sha256=digest,
+                body_sha256=digests[0],
                 job_id=job.id,
                 created_at=now,
             )
@@ -183,6 +190,8 @@ def change_job_state(
         values["finished_at"] = now
     if not transition(session, job, new, **values):
         raise StaleState(f"job {job.id} is no longer {old}")
+    if new.is_terminal():
+        fence.forget_job(session, job.id)
     logger.info("job=%s state %s -> %s", job.id, old, new)
 
 

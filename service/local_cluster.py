@@ -54,15 +54,17 @@ class LocalCluster:
 
     data_dir: Path
     port: int
-    store_port: int
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path | None = None
-    host: str = "127.0.0.1"  # where nodes reach the controller and its store
-    snapshot_root: Path | None = None  # default: data_dir/snapshots
+    host: str = "127.0.0.1"  # where nodes reach the controller
+    snapshot_root: Path | None = None  # default: nodes_dir/snapshots
     # The secret the agents register with; the controller is started with it.
     enrolment_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     # The first admin's token, read from the controller's output at its first start.
     admin_token: str | None = None
+    # The agents' RELAUNCH_AGENT_ISOLATION: as root, each job runs as a user of its own;
+    # otherwise every job runs as this user (the demo: one user's own cluster).
+    isolation: str = field(default_factory=lambda: "user" if os.geteuid() == 0 else "none")
 
     @property
     def url(self) -> str:
@@ -89,8 +91,24 @@ class LocalCluster:
                 return
         raise RuntimeError(f"the controller printed no admin token; see {log}")
 
+    @property
+    def nodes_dir(self) -> Path:
+        """Where the agents' work dirs and the default snapshot root lie. When jobs run as
+        users of their own, beside ``data_dir`` (the controller keeps that 0700) and
+        passable by them (0711); otherwise ``data_dir`` itself."""
+        if self.isolation == "user":
+            return self.data_dir.with_name(self.data_dir.name + "-nodes")
+        return self.data_dir
+
+    @property
+    def snapshots(self) -> Path:
+        return self.snapshot_root or self.nodes_dir / "snapshots"
+
+    def agent_dir(self, name: str) -> Path:
+        return self.nodes_dir / "agents" / name
+
     def snapshot_dir(self, job_id: int) -> Path:
-        return (self.snapshot_root or self.data_dir / "snapshots") / f"job-{job_id}"
+        return self.snapshots / f"job-{job_id}"
 
     def job_processes(self, job_id: int) -> list[psutil.Process]:
         return job_processes(self.snapshot_dir(job_id))
@@ -98,33 +116,48 @@ class LocalCluster:
     def job_workers(self, job_id: int) -> list[psutil.Process]:
         return job_worker_processes(self.snapshot_dir(job_id))
 
+    def _open_to_jobs(self) -> None:
+        """Make the snapshot root, passable (0711, not listable) by the jobs' users, as is
+        the way to it and to the agents' work dirs."""
+        for directory in (self.nodes_dir, self.nodes_dir / "agents", self.snapshots):
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.isolation == "user":
+                directory.chmod(0o711)
+
     def spawn(
-        self, name: str, args: list[str], env: dict[str, str], prefix: list[str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        prefix: list[str] | None = None,
+        umask: int = -1,
     ) -> None:
         """Run ``relaunch ARGS`` as process ``name`` with ``env`` added; its output goes to
-        ``name.log``."""
+        ``name.log`` (0600: the controller's holds the first admin's token)."""
         log_dir = self.log_dir or self.data_dir
-        log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "service.cli", *args],
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+        fd = os.open(log_dir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with open(fd, "ab") as log:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(
+                [*(prefix or []), sys.executable, "-m", "service.cli", *args],
+                env={**os.environ, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                umask=umask,
+            )
 
     def start_controller(self, extra_env: dict[str, str] | None = None) -> None:
         env = {
             "RELAUNCH_DATA_DIR": str(self.data_dir),
             "RELAUNCH_HOST": self.host,
             "RELAUNCH_PORT": str(self.port),
-            "RELAUNCH_STORE_HOST": self.host,
-            "RELAUNCH_STORE_PORT": str(self.store_port),
             "RELAUNCH_ENROLMENT_TOKEN": self.enrolment_token,
-            **({"RELAUNCH_SNAPSHOT_ROOT": str(self.snapshot_root)} if self.snapshot_root else {}),
+            "RELAUNCH_SNAPSHOT_ROOT": str(self.snapshots),
             **(extra_env or {}),
         }
-        self.spawn("controller", ["server"], env)
+        self._open_to_jobs()
+        # Its database and files are its own, even where jobs may pass.
+        self.spawn("controller", ["server"], env, umask=0o077)
         self.wait_healthy()
         self.learn_admin_token()
 
@@ -147,12 +180,17 @@ class LocalCluster:
         self, name: str, address: str | None = None, prefix: list[str] | None = None
     ) -> None:
         """Start node agent ``name``; ``prefix`` wraps its command (``ip netns exec NS``)."""
-        work = self.data_dir / "agents" / name
+        self._open_to_jobs()
+        work = self.agent_dir(name)
         work.mkdir(parents=True, exist_ok=True)
         args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
         if address is not None:
             args += ["--address", address]
-        self.spawn(name, args, {"RELAUNCH_AGENT_ENROLMENT_TOKEN": self.enrolment_token}, prefix)
+        env = {
+            "RELAUNCH_AGENT_ENROLMENT_TOKEN": self.enrolment_token,
+            "RELAUNCH_AGENT_ISOLATION": self.isolation,
+        }
+        self.spawn(name, args, env, prefix)
 
     def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -10,12 +10,14 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Enum,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -23,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from service.secrets import public_spec
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
 
@@ -92,7 +95,9 @@ class ApiToken(Base):
 
 
 class IdempotencyKey(Base):
-    """A submit's Idempotency-Key: the same user, key and body give back the same job."""
+    """A submit's Idempotency-Key: the same user, key and body give back the same job.
+
+    ``body_sha256`` is keyed (``service.jobs.spec_digests``): the body holds env values."""
 
     __tablename__ = "idempotency_keys"
     __table_args__ = (UniqueConstraint("user_id", "key"),)
@@ -140,8 +145,11 @@ class Job(Base):
     @cached_property
     def job_spec(self) -> JobSpec:
         """``spec`` as a ``JobSpec``, parsed once per loaded row (a job's spec never
-        changes after submit). Shared by every reader of the row: do not modify it."""
-        return JobSpec.model_validate(self.spec)
+        changes after submit). Shared by every reader of the row: do not modify it.
+
+        Its ``env`` has the names only, each value empty: the values, encrypted at
+        rest, are read with ``service.secrets.open_env``."""
+        return JobSpec.model_validate(public_spec(self.spec))
 
 
 class Attempt(Base):
@@ -154,7 +162,6 @@ class Attempt(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
     rdzv_id: Mapped[str] = mapped_column(String(64), unique=True)
-    rdzv_endpoint: Mapped[str] = mapped_column(String(255))
     state: Mapped[AttemptState] = mapped_column(_state_column(AttemptState), index=True)
     world_size: Mapped[int | None] = mapped_column(Integer)
     started_count: Mapped[int] = mapped_column(Integer, default=0)
@@ -181,9 +188,51 @@ class AttemptMember(Base):
     joined_at: Mapped[datetime]
     left_at: Mapped[datetime | None]
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    # sha256 of the secret the node's workers show to the controller (the snapshot fence);
+    # a new one is issued whenever the node is sent the assignment before it runs it.
+    worker_token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
 
     attempt: Mapped[Attempt] = relationship(back_populates="members")
     node: Mapped[Node] = relationship()
+
+
+class RendezvousState(Base):
+    """The rendezvous state of one attempt, as torch's launchers wrote it.
+
+    ``state`` is opaque to the controller: it is stored and returned, never read.
+    ``version`` is the fencing token of compare-and-set: it grows by one at every
+    write, so a launcher that read an older state cannot overwrite a newer one.
+    """
+
+    __tablename__ = "rendezvous_states"
+
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("attempts.id", ondelete="CASCADE"), primary_key=True
+    )
+    state: Mapped[bytes] = mapped_column(LargeBinary)
+    version: Mapped[int] = mapped_column(BigInteger)
+
+
+class RendezvousKey(Base):
+    """One key of an attempt's rendezvous store; the value is opaque bytes."""
+
+    __tablename__ = "rendezvous_keys"
+    __table_args__ = (UniqueConstraint("attempt_id", "key"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(512))
+    value: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class SnapshotWriter(Base):
+    """A job's count of snapshot writers: each new rank 0 takes the next number, and
+    only the holder of the newest may commit a snapshot (``worker.runtime.fence``)."""
+
+    __tablename__ = "snapshot_writers"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    token: Mapped[int] = mapped_column(BigInteger)
 
 
 class Node(Base):
@@ -301,3 +350,28 @@ class ControllerLease(Base):
     term: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[datetime]
     renewed_at: Mapped[datetime]
+
+
+class EnrolmentToken(Base):
+    """A per-node enrolment token an admin made: a credential to register a node.
+
+    Kept only as the sha256 of its text. It admits a registration while it is
+    not revoked, not expired and, when ``single_use``, not used; when
+    ``node_name`` is set, only under that name. ``used_at`` is the first use of
+    a single-use token (set by compare-and-set, so one use wins) and the last
+    use of a reusable one.
+    """
+
+    __tablename__ = "enrolment_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    node_name: Mapped[str | None] = mapped_column(String(128))
+    single_use: Mapped[bool] = mapped_column(Boolean)
+    expires_at: Mapped[datetime]
+    used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    created_by: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", name="fk_enrolment_tokens_created_by_users", ondelete="SET NULL")
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from datetime import datetime
 
@@ -9,9 +10,12 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from contract.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
+from service import auth
 from service.attempts import assignment_for, drop_member, end_member
-from service.errors import NotFound, StaleState
+from service.errors import Conflict, NotFound, StaleState
+from service.fence import issue_worker_token
 from service.models import Attempt, AttemptMember, Node
+from service.secrets import Keyring
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
 from service.transitions import transition
@@ -25,10 +29,19 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
     An agent registers only when it starts (having ended what its previous life
     left running) or when the controller forgot it, so any membership its name
     still holds is over.
+
+    The name of a node that is ALIVE is taken back only by whoever holds that
+    node's current token (its agent, restarted): an enrolment credential alone
+    would let anyone push a live node out of its attempts. ``Conflict`` otherwise.
+    A LOST or LEFT node's name is free to any admitted registration.
     """
     node = session.scalars(
         select(Node).where(Node.name == body.name).with_for_update()
     ).one_or_none()
+    if node is not None and node.state is NodeState.ALIVE and not holds_token(node, body):
+        raise Conflict(
+            f"node {body.name} is alive; registering under its name needs its node token"
+        )
     if node is None:
         node = Node(
             name=body.name,
@@ -52,6 +65,14 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
     node.registered_at, node.last_heartbeat_at = now, now
     logger.info("node=%s registered again name=%s", node.id, node.name)
     return node
+
+
+def holds_token(node: Node, body: NodeRegister) -> bool:
+    """Whether the registration carries ``node``'s current token."""
+    given = body.node_token
+    if given is None or node.token_hash is None:
+        return False
+    return hmac.compare_digest(auth.token_hash(given), node.token_hash)
 
 
 def memberships(session: Session, node_id: int) -> list[AttemptMember]:
@@ -100,9 +121,10 @@ def heartbeat(
     body: Heartbeat,
     settings: ControllerSettings,
     now: datetime,
+    keyring: Keyring,
 ) -> HeartbeatReply:
     """Record that the node lives (a LOST or LEFT node is ALIVE again) and answer with
-    everything it must run now."""
+    everything it must run now, env values decrypted with ``keyring``."""
     node = get_node(session, node_id, for_update=True)
     if node.state is not NodeState.ALIVE:
         if not transition(session, node, NodeState.ALIVE, last_heartbeat_at=now):
@@ -110,14 +132,30 @@ def heartbeat(
         logger.info("node=%s name=%s is back", node.id, node.name)
     else:
         node.last_heartbeat_at = now
-    return HeartbeatReply(assignments=assignments_for(session, node_id, settings))
+    running = {r.attempt_id for r in body.running}
+    return HeartbeatReply(assignments=assignments_for(session, node_id, settings, keyring, running))
 
 
 def assignments_for(
-    session: Session, node_id: int, settings: ControllerSettings
+    session: Session,
+    node_id: int,
+    settings: ControllerSettings,
+    keyring: Keyring,
+    running: set[int],
 ) -> list[Assignment]:
+    """Every assignment of the node. One it does not run yet carries a new worker token
+    (``service.fence``): the node starts it with the token of the reply it acts on, and
+    one it runs keeps the token its workers hold."""
     return [
-        assignment_for(m.attempt, m.attempt.job, settings) for m in memberships(session, node_id)
+        assignment_for(
+            m.attempt,
+            m.attempt.job,
+            settings,
+            keyring,
+            None if m.attempt_id in running else issue_worker_token(m),
+            member_id=m.id,
+        )
+        for m in memberships(session, node_id)
     ]
 
 

@@ -56,7 +56,6 @@ class JobView:
     spec: JobSpec
     attempt_id: int | None = None
     members: tuple[int, ...] = ()
-    former_members: tuple[int, ...] = ()  # left the running attempt; never re-added to it
     waiting_since: datetime | None = None
     not_before: datetime | None = None
     message: str = ""
@@ -148,9 +147,9 @@ def plan(
       fitting nodes are free (a WAITING job not before its back-off ends);
       they get up to MAX. One that cannot be placed gets an ``ExplainWait``
       when the reason (free, busy and too small nodes) differs from its message.
-    - Then running jobs below MAX take free fitting nodes (scale up), but not
-      a node that already left that attempt: its agent has fenced the attempt
-      and will not run it again; it serves the job's next attempt instead.
+    - Then running jobs below MAX take free fitting nodes (scale up), a node
+      that left that attempt and is back included: it joins again in place
+      with a new membership, which its agent runs afresh.
     """
     actions: list[Action] = []
     lost = {
@@ -204,11 +203,7 @@ def plan(
             actions.append(ExplainWait(job.id, job.state, reason))
     for job, remaining in running:
         room = job.spec.max_nodes - len(remaining)
-        fitting = [
-            n.id
-            for n in free
-            if n.slots >= job.spec.nproc_per_node and n.id not in job.former_members
-        ]
+        fitting = [n.id for n in free if n.slots >= job.spec.nproc_per_node]
         if room > 0 and fitting and job.attempt_id is not None:
             chosen = tuple(fitting[:room])
             actions.append(AddMembers(job.id, job.attempt_id, chosen))
@@ -225,10 +220,8 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
     for job in session.scalars(select(Job).where(Job.state.in_(open_states))):
         attempt = running_attempt(session, job.id)
         members: tuple[int, ...] = ()
-        former: tuple[int, ...] = ()
         if attempt is not None:
             members = tuple(m.node_id for m in active_members(session, attempt.id))
-            former = tuple({m.node_id for m in attempt.members} - set(members))
         jobs.append(
             JobView(
                 id=job.id,
@@ -237,13 +230,20 @@ def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
                 spec=job.job_spec,
                 attempt_id=attempt.id if attempt else None,
                 members=members,
-                former_members=former,
                 waiting_since=job.waiting_since,
                 not_before=job.not_before,
                 message=job.message,
             )
         )
     return nodes, jobs
+
+
+def stalled(last_pass: datetime | None, now: datetime, node_timeout: timedelta) -> bool:
+    """Whether the pass at ``now`` comes so late after the last one (half the node timeout)
+    that this controller was likely starved: its heartbeat handlers too, so a node's
+    silence since then says nothing about the node. Dropping a healthy node ends its
+    attempt's workers everywhere; waiting a little longer for a dead one costs less."""
+    return last_pass is not None and now - last_pass > node_timeout / 2
 
 
 def utcnow() -> datetime:
@@ -265,10 +265,12 @@ class Reconciler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._leadership: Leadership | None = None
-        # Set when this controller takes the lease: heartbeats sent while no
-        # controller acted may not have arrived, so a node's silence counts from
-        # then at the earliest.
+        # Set when this controller takes the lease, and again after a pass that
+        # came late (``stalled``): heartbeats sent while no controller acted, or
+        # while this one was starved, may not have been recorded, so a node's
+        # silence counts from then at the earliest.
         self._leading_since = clock()
+        self._last_pass: datetime | None = None  # wall time of the loop's last pass
 
     @property
     def is_leader(self) -> bool:
@@ -277,6 +279,7 @@ class Reconciler:
     def run_once(self) -> list[Action]:
         """One pass: renew (or take) the lease, then plan and apply; a standby does nothing."""
         now = self._clock()
+        node_timeout = timedelta(seconds=self._settings.node_timeout_s)
         leadership = self._lead(now)
         if leadership is None:
             return []
@@ -286,7 +289,7 @@ class Reconciler:
             replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
             for n in nodes
         ]
-        actions = plan(now, nodes, jobs, timedelta(seconds=self._settings.node_timeout_s))
+        actions = plan(now, nodes, jobs, node_timeout)
         for action in actions:
             try:
                 with transaction(self._factory) as session:
@@ -379,6 +382,21 @@ class Reconciler:
         nodes = self._free_nodes(session, action.node_ids)
         for node in nodes:
             add_member(session, attempt, node, now)
+            if attempt.world_size is None:
+                # No rendezvous has completed yet: the node is part of the first
+                # world, as if placed with the others; nothing re-forms.
+                add_event(
+                    session,
+                    job.id,
+                    "node_joined",
+                    f"node {node.name} joins attempt {attempt.number} before its first "
+                    "rendezvous (not a membership change)",
+                    now,
+                    attempt_id=attempt.id,
+                    node_id=node.id,
+                    data={"cause": "placed"},
+                )
+                continue
             changes = count_membership_change(session, job.id)
             add_event(
                 session,
@@ -446,8 +464,22 @@ class Reconciler:
             logger.exception("could not release the lease; a standby waits for it to expire")
         self._leadership = None
 
+    def note_pass(self, wall: datetime) -> None:
+        """Called by the loop before each pass with the wall time: after a stall (``stalled``)
+        a node's silence counts from now, as after a takeover."""
+        if stalled(self._last_pass, wall, timedelta(seconds=self._settings.node_timeout_s)):
+            logger.warning(
+                "controller %s: no reconciler pass for %s (overloaded?); nodes' silence "
+                "counts from now",
+                self._settings.controller_id,
+                wall - self._last_pass if self._last_pass else None,
+            )
+            self._leading_since = self._clock()
+        self._last_pass = wall
+
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.note_pass(utcnow())
             try:
                 self.run_once()
             except Exception:

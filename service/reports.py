@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from contract.events import (
+    UNCHARGED_CAUSES,
     EventData,
     HangDetected,
     LauncherExited,
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 def handle_report(session: Session, node_id: int, report: AttemptReport, now: datetime) -> None:
     node = get_node(session, node_id)
     attempt = session.get(Attempt, report.attempt_id)
-    member = find_member(session, report.attempt_id, node_id) if attempt else None
+    member = find_member(session, report.attempt_id, node_id, report.member_id) if attempt else None
     if attempt is None or member is None:
         raise Fenced(f"node {node_id} is not a member of attempt {report.attempt_id}")
     live = attempt.state is AttemptState.RUNNING and member.state is MemberState.ACTIVE
@@ -178,7 +179,8 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
     incident and are not counted again. A worker whose collective broke because
     a peer went away ("peer_lost") is not counted at all: the peer reports its
     own failure if it lives, and a peer that died with its node is a membership
-    change.
+    change; nor is a worker its node agent ended because the controller dropped a
+    member of the attempt ("membership_change").
     """
     job, cause = at.job, data.cause
     at.add_event(
@@ -194,7 +196,7 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
             at.session, job, at.attempt, at.now, f"{cause.replace('_', ' ')}: {_exit_text(data)}"
         )
         return
-    if job.state is not JobState.RUNNING or cause == "peer_lost":
+    if job.state is not JobState.RUNNING or cause in UNCHARGED_CAUSES:
         return
     delay = _restart_or_fail(
         at.session,
@@ -217,13 +219,19 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
     )
 
 
+def _hang_timeout_text(data: HangDetected) -> str:
+    if data.derivation:
+        return f"{data.rule or 'fixed'}: {data.derivation}"
+    return f"{data.timeout_s} s"
+
+
 @_apply_event.register
 def _hang(data: HangDetected, at: _Applied) -> None:
     at.add_event(
         "hang_detected",
         f"worker rank {data.global_rank} (local rank {data.local_rank} on "
-        f"node {at.node.name}) made no progress for {data.idle_s} s (hang_timeout_s "
-        f"{data.timeout_s}); its stack dump is in the logs, the workers restart",
+        f"node {at.node.name}) made no progress for {data.idle_s} s (hang timeout "
+        f"{_hang_timeout_text(data)}); its stack dump is in the logs, the workers restart",
         data,
     )
 

@@ -40,7 +40,6 @@ class AttemptPublic(BaseModel):
     id: int
     number: int
     rdzv_id: str
-    rdzv_endpoint: str
     state: AttemptState
     world_size: int | None
     created_at: datetime
@@ -258,3 +257,47 @@ class TokenCreated(BaseModel):
 class UserCreated(BaseModel):
     user: UserPublic
     token: TokenCreated
+
+
+class EnrolmentTokenCreate(_Strict):
+    node_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Admit only a node of this name (default: any name)",
+    )
+    expires_in_s: int = Field(
+        default=24 * 3600,
+        ge=60,
+        le=366 * 24 * 3600,
+        description="Seconds until the token expires (default: one day)",
+    )
+    single_use: bool = Field(
+        default=True, description="Admit one registration only (default); false: until it expires"
+    )
+
+
+class EnrolmentTokenPublic(_FromRow):
+    """A per-node enrolment token as listed: never its text, which only its creation shows."""
+
+    id: int
+    node_name: str | None
+    single_use: bool
+    expires_at: datetime
+    used_at: datetime | None
+    revoked_at: datetime | None
+    created_at: datetime
+    created_by: int | None
+
+
+class EnrolmentTokensPublic(BaseModel):
+    items: list[EnrolmentTokenPublic]
+
+
+class EnrolmentTokenCreated(BaseModel):
+    token: EnrolmentTokenPublic
+    secret: str = Field(
+        description="The token's text, shown this once; only its hash is kept. The node's "
+        "agent uses it as its RELAUNCH_AGENT_ENROLMENT_TOKEN"
+    )

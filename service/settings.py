@@ -7,6 +7,7 @@ import secrets
 import socket
 from pathlib import Path
 
+from cryptography.fernet import Fernet
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -45,14 +46,6 @@ class ControllerSettings(BaseSettings):
     )
     port: int = Field(default=8080, ge=0, le=65535)
 
-    store_host: str = Field(
-        default="127.0.0.1", description="Address the rendezvous store listens on"
-    )
-    store_port: int = Field(default=29400, ge=1, le=65535)
-    advertise_host: str | None = Field(
-        default=None,
-        description="Address nodes use to reach the rendezvous store (default: store_host)",
-    )
     snapshot_root: str | None = Field(
         default=None,
         max_length=1024,
@@ -80,8 +73,21 @@ class ControllerSettings(BaseSettings):
 
     enrolment_token: SecretStr | None = Field(
         default=None,
-        description="The secret a node agent shows to register; each registered node then "
-        "gets a token of its own. Unset: no node can register",
+        description="A secret every node agent may show to register (for a demo or a "
+        "trusted network); each registered node then gets a token of its own. In "
+        "production leave it unset and give each node a per-node enrolment token "
+        "(relaunch nodes token create). Unset: only per-node tokens admit nodes",
+    )
+    secrets_key_file: Path | None = Field(
+        default=None,
+        description="File of the keys that encrypt jobs' env values at rest (one Fernet key a "
+        "line, the first encrypts); default: data_dir/secrets.key, made at first start, and "
+        "only with SQLite: controllers sharing another database must all be given the same key",
+    )
+    secrets_keys: SecretStr | None = Field(
+        default=None,
+        description="Comma-separated Fernet keys, before those of secrets_key_file: the first "
+        "encrypts, every one decrypts (list the new key first to rotate)",
     )
     max_body_bytes: int = Field(
         default=1024 * 1024,
@@ -115,6 +121,24 @@ class ControllerSettings(BaseSettings):
             raise ValueError("must be at least 24 characters; make one with secrets.token_urlsafe")
         return value
 
+    @field_validator("secrets_keys")
+    @classmethod
+    def _fernet_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        texts = [t.strip() for t in value.get_secret_value().split(",") if t.strip()]
+        if not texts:
+            raise ValueError("holds no key")
+        for number, text in enumerate(texts, start=1):
+            try:
+                Fernet(text.encode("ascii"))
+            except (ValueError, UnicodeError):
+                raise ValueError(
+                    f"key {number} is not a Fernet key (32 url-safe base64-encoded bytes, as "
+                    "`relaunch admin new-secrets-key` prints)"
+                ) from None
+        return value
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> ControllerSettings:
         if self.leader_lease_s < 3 * self.reconcile_interval_s:
@@ -127,14 +151,16 @@ class ControllerSettings(BaseSettings):
             self.database_url = f"sqlite:///{self.data_dir / 'relaunch.db'}"
         if self.snapshot_root is None:
             self.snapshot_root = str(self.data_dir / "snapshots")
-        if self.advertise_host is None:
-            self.advertise_host = self.store_host
         return self
 
     @property
     def db_url(self) -> str:
         assert self.database_url is not None  # filled by the validator
         return self.database_url
+
+    @property
+    def database_is_sqlite(self) -> bool:
+        return self.db_url.startswith("sqlite")
 
     @property
     def snapshots(self) -> str:
@@ -144,7 +170,3 @@ class ControllerSettings(BaseSettings):
     @property
     def snapshots_are_local(self) -> bool:
         return not is_url(self.snapshots)
-
-    @property
-    def store_endpoint(self) -> str:
-        return f"{self.advertise_host}:{self.store_port}"

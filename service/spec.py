@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contract.protocol import RestartPolicy
+from contract.protocol import ADAPTIVE_HANG_CAP_S, RestartPolicy
 from contract.tasks import TASKS, task_args
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -145,12 +145,23 @@ class JobSpec(_Strict):
         description="How long a job that has fewer than MIN nodes left waits for nodes "
         "before it fails",
     )
-    hang_timeout_s: float | None = Field(
-        default=600.0,
-        gt=0,
-        le=7 * 24 * 3600,
-        description="A worker that reported progress and then reports none for this long is "
-        "hung: its stack is dumped into the logs and the workers restart. null turns it off",
+    hang_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | Literal["auto"] | None = (
+        Field(
+            default="auto",
+            description="A worker that beat (made progress) and then beats no more for this "
+            "long is hung: its stack is dumped into the logs and the workers restart. "
+            "'auto': derived from the worker's own beats, max(30 s, 10 x the median "
+            "interval between its beats, 2 x the longest), at most "
+            f"{ADAPTIVE_HANG_CAP_S:g} s, and {ADAPTIVE_HANG_CAP_S:g} s until 5 intervals are "
+            "known. A number: that many seconds. null: never",
+        )
+    )
+    collective_timeout_s: float = Field(
+        default=300.0,
+        ge=10,
+        le=24 * 3600,
+        description="How long one collective of the built-in tasks may wait for its peers "
+        "before it fails and the workers restart (the process group's timeout)",
     )
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)
     working_dir: str | None = Field(
@@ -222,6 +233,12 @@ class JobSpec(_Strict):
             fatal_exit_codes=self.fatal_exit_codes,
             restarts_before=restarts_before,
         )
+
+    def hang_timeout(self) -> tuple[float | None, bool]:
+        """(seconds, adaptive) for the nodes: with ``auto``, the cap and True."""
+        if self.hang_timeout_s == "auto":
+            return ADAPTIVE_HANG_CAP_S, True
+        return self.hang_timeout_s, False
 
     @property
     def min_nodes(self) -> int:

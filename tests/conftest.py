@@ -9,6 +9,9 @@ PostgreSQL half of ``db_url`` and whatever uses ``pg_database``.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +19,29 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, let_jobs_pass
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 PG_ADMIN_URL = os.environ.get("RELAUNCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 E2E_DIRS = (Path(__file__).parent / "e2e", Path(__file__).parent / "deploy")
+_OWN_TEMPROOT = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """As root, a temporary root of this run's own: pytest makes its shared
+    ``/tmp/pytest-of-root`` 0700 again at every start, which would lock the jobs' users
+    of a run under way out of their directories (see ``let_jobs_pass``)."""
+    if os.geteuid() == 0 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = tempfile.mkdtemp(prefix="relaunch-tests-")
+        config.stash[_OWN_TEMPROOT] = os.environ["PYTEST_DEBUG_TEMPROOT"]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove this run's temporary root if every test passed; keep it to look into if not."""
+    own = session.config.stash.get(_OWN_TEMPROOT, None)
+    if own is not None and exitstatus == 0:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -30,6 +50,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
         if "pg_database" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jobs_can_reach_python_and_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """As root the agents run each job as a user of its own (isolation "user"): that user
+    must reach the interpreter, the repository and the tests' directories."""
+    let_jobs_pass(Path(sys.executable).resolve().parent)
+    let_jobs_pass(Path(sys.prefix))
+    let_jobs_pass(REPO_ROOT)
+    let_jobs_pass(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Path:
+    """pytest's, passable by a job's user (pytest makes it 0700)."""
+    return let_jobs_pass(tmp_path)
 
 
 @pytest.fixture

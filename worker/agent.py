@@ -4,10 +4,14 @@ One loop on one thread owns everything (``NodeAgent.run``):
 
 1. at start: become a child subreaper, kill what a previous life of this agent
    left behind (pid ledger), then register (retrying until the controller answers;
-   a refused enrolment token ends the agent instead, since asking again cannot help);
+   a refused enrolment token ends the agent instead, since asking again cannot help),
+   presenting the node token a previous life saved (``worker.node_token``): the
+   name of a node that is still ALIVE is given back only to its token's holder;
 2. every heartbeat interval: send the running attempts, receive the complete
    set of assignments, and reconcile: start those not running, stop those no
-   longer assigned (``plan_reconcile`` decides, the loop acts);
+   longer assigned (``plan_reconcile`` decides, the loop acts); end the workers
+   of an attempt that lost a member, so they re-form at once
+   (``Attempt.follow_membership``);
 3. every report interval: settle exits, send new output and events, and the
    exit report once an attempt has ended; refresh the pid ledger.
 
@@ -26,12 +30,12 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import FrameType
 
 from contract.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
-from worker import procs
+from worker import node_token, procs, sandbox
 from worker.attempt import Attempt, attempt_marker
 from worker.client import (
     ControllerClient,
@@ -61,21 +65,38 @@ class ReconcilePlan:
     stop: tuple[int, ...]
 
 
+RunKey = tuple[int, int | None]  # (attempt id, membership id): one run of an attempt here
+
+
+def run_key(assignment: Assignment) -> RunKey:
+    return assignment.attempt_id, assignment.member_id
+
+
 def plan_reconcile(
-    desired: Iterable[Assignment], held: Collection[int], finished: Collection[int]
+    desired: Iterable[Assignment],
+    held: Collection[int],
+    finished: Collection[RunKey],
+    held_members: Mapping[int, int | None] | None = None,
 ) -> ReconcilePlan:
     """What to start and what to stop so that this node runs exactly ``desired``.
 
     ``held``: attempts the agent has (running, or ended with the exit report
-    not yet delivered). ``finished``: attempts whose exit was delivered or that
-    were fenced; they are never started again, even if still assigned.
+    not yet delivered). ``finished``: runs (attempt and membership) whose exit was
+    delivered or that were fenced; they are never started again, even if still
+    assigned. A node that left an attempt and joined it again has a new membership,
+    so it runs the attempt again, once its old run (``held_members``: the membership
+    each held attempt runs for) is stopped: that one is stopped like an attempt no
+    longer assigned, even if it thawed and still runs.
     """
+    held_members = held_members or {}
     start: dict[int, Assignment] = {}
     wanted: set[int] = set()
     for assignment in desired:
         aid = assignment.attempt_id
-        wanted.add(aid)
-        if aid not in held and aid not in finished:
+        old = held_members.get(aid)
+        if old is None or assignment.member_id is None or old == assignment.member_id:
+            wanted.add(aid)
+        if aid not in held and run_key(assignment) not in finished:
             start.setdefault(aid, assignment)
     stop = tuple(sorted(aid for aid in held if aid not in wanted))
     return ReconcilePlan(start=tuple(start.values()), stop=stop)
@@ -93,7 +114,7 @@ class NodeAgent:
         self._clock = clock
         self._stop = threading.Event()
         self._attempts: dict[int, Attempt] = {}
-        self._finished: deque[int] = deque(maxlen=_REMEMBERED_FINISHED)
+        self._finished: deque[RunKey] = deque(maxlen=_REMEMBERED_FINISHED)
         self._ledger = procs.PidLedger(settings.work_dir / "pids.json")
         self._node_id: int | None = None
         self._heartbeat_s = _DEFAULT_HEARTBEAT_S
@@ -102,6 +123,7 @@ class NodeAgent:
         self._next_register = 0.0
         self._next_alive = 0.0
         self._register_backoff_s = 0.5
+        self._token_file = node_token.token_file(settings.work_dir)
 
     @property
     def node_id(self) -> int | None:
@@ -114,7 +136,7 @@ class NodeAgent:
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT (main thread) or ``request_stop``; then stop all."""
         self._install_signal_handlers()
-        self._settings.work_dir.mkdir(parents=True, exist_ok=True)
+        sandbox.root_dir(self._settings.work_dir)  # jobs pass to their files, list nothing
         procs.become_subreaper()
         left = procs.kill_leftovers(
             self._ledger, self._settings.stop_grace_s, marker_of=self._marker_of
@@ -122,10 +144,11 @@ class NodeAgent:
         if left:
             logger.warning("node=%s killed %d leftover processes", self._settings.name, left)
         logger.info(
-            "node=%s agent pid %d serving, controller %s",
+            "node=%s agent pid %d serving, controller %s, isolation %s",
             self._settings.name,
             os.getpid(),
             self._settings.controller_url,
+            self._settings.isolation,
         )
         try:
             while not self._stop.is_set():
@@ -184,6 +207,7 @@ class NodeAgent:
             address=self._settings.address,
             slots=self._settings.slots,
             pid=os.getpid(),
+            node_token=node_token.load(self._token_file),
         )
         try:
             reply = self._client.register(body)
@@ -199,6 +223,14 @@ class NodeAgent:
             )
             raise
         except ControllerError as exc:
+            if exc.status_code == 409:
+                logger.warning(
+                    "node=%s the controller holds this name for a node that is alive and "
+                    "this agent does not hold its node token (%s in the work dir); retrying until "
+                    "that node is lost or leaves",
+                    self._settings.name,
+                    node_token.FILE_NAME,
+                )
             logger.warning(
                 "node=%s register failed (retry in %.1fs): %s",
                 self._settings.name,
@@ -208,6 +240,10 @@ class NodeAgent:
             self._next_register = now + self._register_backoff_s
             self._register_backoff_s = min(2 * self._register_backoff_s, _REGISTER_BACKOFF_MAX_S)
             return
+        try:
+            node_token.save(self._token_file, reply.node_token)
+        except OSError as exc:  # the node works; only a restart would wait for its old self
+            logger.warning("node=%s cannot save its node token: %s", self._settings.name, exc)
         self._node_id = reply.node_id
         self._heartbeat_s = reply.heartbeat_interval_s
         self._register_backoff_s = 0.5
@@ -233,13 +269,22 @@ class NodeAgent:
         except ControllerError as exc:
             logger.warning("node=%s heartbeat failed: %s", self._node_id, exc)
             return
-        plan = plan_reconcile(reply.assignments, set(self._attempts), set(self._finished))
+        plan = plan_reconcile(
+            reply.assignments,
+            set(self._attempts),
+            set(self._finished),
+            {aid: a.assignment.member_id for aid, a in self._attempts.items()},
+        )
         for assignment in plan.start:
-            attempt = Attempt(assignment, self._settings)
+            attempt = Attempt(assignment, self._settings, self._client.node_token)
             self._attempts[assignment.attempt_id] = attempt
             attempt.start()
         for aid in plan.stop:
             self._attempts[aid].stop("no longer assigned to this node")  # does not block
+        for assignment in reply.assignments:
+            held = self._attempts.get(assignment.attempt_id)
+            if held is not None and held.assignment.member_id == assignment.member_id:
+                held.follow_membership(assignment)  # does not block
 
     def _report_all(self) -> None:
         reachable = True
@@ -297,7 +342,7 @@ class NodeAgent:
 
     def _forget(self, attempt: Attempt) -> None:
         del self._attempts[attempt.attempt_id]
-        self._finished.append(attempt.attempt_id)
+        self._finished.append(run_key(attempt.assignment))
 
     def _leave(self, node_id: int) -> None:
         """Tell the controller this node is going, so its jobs re-form at once."""
@@ -330,11 +375,15 @@ def run_agent(settings: AgentSettings) -> int:
     """Run a node agent until SIGTERM/SIGINT (call from the main thread); the exit status.
 
     0 after a signal; 1 when the controller refused the enrolment token (the
-    reason is logged), so that a restart policy, not this loop, decides whether to retry.
+    reason is logged), so that a restart policy, not this loop, decides whether to retry;
+    1 too when the isolation cannot be had (the reason is logged).
     """
-    with ControllerClient(
-        settings.controller_url, settings.enrolment_token.get_secret_value()
-    ) as client:
+    sandbox.forget_credentials()
+    refusal = sandbox.start_refusal(settings.isolation, settings.job_uid_base, settings.work_dir)
+    if refusal is not None:
+        logger.error("node=%s cannot start: %s", settings.name, refusal)
+        return 1
+    with ControllerClient(settings.controller_url, settings.token) as client:
         try:
             NodeAgent(settings, client).run()
         except EnrolmentRefusedError:

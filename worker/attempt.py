@@ -36,12 +36,14 @@ from typing import IO, Literal, NamedTuple
 
 import psutil
 
-from contract.events import LauncherExited
+from contract.events import LauncherExited, RendezvousComplete
 from contract.labels import log_label
 from contract.paths import inside, is_url
 from contract.protocol import (
     ATTEMPT_ID_ENV,
     ATTEMPT_NUMBER_ENV,
+    COLLECTIVE_TIMEOUT_ENV,
+    CONTROLLER_URL_ENV,
     EVENTS_FILE_ENV,
     JOB_ID_ENV,
     NODE_NAME_ENV,
@@ -51,14 +53,14 @@ from contract.protocol import (
     SNAPSHOT_EVERY_EPOCHS_ENV,
     SNAPSHOT_EVERY_STEPS_ENV,
     SNAPSHOT_KEEP_ENV,
-    STORE_ENDPOINT_ENV,
+    WORKER_TOKEN_ENV,
     Assignment,
     AttemptExit,
     AttemptReport,
     LogLine,
     RunningAttempt,
 )
-from worker import procs
+from worker import procs, sandbox
 from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.settings import AgentSettings
 
@@ -66,6 +68,12 @@ logger = logging.getLogger(__name__)
 
 TORCHRUN_ROLE = "default"  # torchrun's --role default; it names the tee prefix
 MONITOR_INTERVAL_S = 0.2
+# How long the workers of an attempt that lost a member get to end on SIGTERM before
+# SIGKILL: a worker inside a gloo or NCCL call that waits on the lost peer never returns.
+RE_FORM_GRACE_S = 1.0
+# In the attempt's directory (root's, so no worker can write it): the agent ended the
+# workers because the attempt lost a member; the launcher reads it (``--membership-file``).
+MEMBERSHIP_FILE = "membership-changed"
 MAX_LINE_CHARS = 8192  # protocol.LogLine.line
 # torch substitutes ${role_name}, ${local_rank} and ${rank} (the global rank) per worker.
 LOG_LINE_PREFIX_TEMPLATE = "[${role_name}${local_rank} rank${rank}]:"
@@ -78,9 +86,11 @@ _PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 # code runs as the job's user and must not read the node's enrolment token.
 _NOT_FOR_WORKERS = re.compile(
     r"^(RELAUNCH_AGENT_.*|RELAUNCH_ENROLMENT_TOKEN|RELAUNCH_TOKEN|DATABASE_URL|"
-    r"RELAUNCH_DATABASE_URL)$"
+    r"RELAUNCH_DATABASE_URL|RELAUNCH_SECRETS_KEYS|RELAUNCH_SECRETS_KEY_FILE)$"
 )
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NODE_WORKING_DIR = "work"  # in the attempt's directory, when the job has no shared one
 # Agent-internal (not part of the protocol): which agent started a process.
 AGENT_DIR_ENV = "RELAUNCH_NODE_AGENT_DIR"
 
@@ -116,15 +126,19 @@ def parse_console_line(text: str) -> ConsoleLine:
     return ConsoleLine(int(match.group(1)), global_rank, text[match.end() :])
 
 
-def build_torchrun_args(assignment: Assignment, *, local_addr: str, log_dir: Path) -> list[str]:
-    """The torchrun command line (without the program name) for one attempt on this node."""
+def build_torchrun_args(
+    assignment: Assignment, *, local_addr: str, log_dir: Path, controller_url: str
+) -> list[str]:
+    """The torchrun command line (without the program name) for one attempt on this node.
+
+    The rendezvous is the controller's (``worker.rendezvous``, registered by the
+    launcher as the backend ``relaunch``)."""
     entry = assignment.entrypoint
     if (entry.module is None) == (entry.script is None):
         raise ValueError("entrypoint needs exactly one of module and script")
     rdzv = assignment.rendezvous
     rdzv_conf = ",".join(
         [
-            "is_host=false",
             f"last_call_timeout={rdzv.last_call_timeout_s}",
             f"join_timeout={rdzv.join_timeout_s}",
             f"keep_alive_interval={rdzv.keep_alive_interval_s}",
@@ -134,8 +148,8 @@ def build_torchrun_args(assignment: Assignment, *, local_addr: str, log_dir: Pat
     args = [
         "--nnodes", f"{assignment.min_nodes}:{assignment.max_nodes}",
         "--nproc-per-node", str(assignment.nproc_per_node),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", rdzv.endpoint,
+        "--rdzv-backend", "relaunch",
+        "--rdzv-endpoint", controller_url,
         "--rdzv-id", rdzv.rdzv_id,
         "--rdzv-conf", rdzv_conf,
         "--max-restarts", str(assignment.restart.max_restarts),
@@ -160,13 +174,13 @@ def working_dir_for(assignment: Assignment, attempt_dir: Path) -> Path:
     directory when that is a path: every node mounts the snapshot root at the
     same place, so a relative path names one file for the whole job, and a
     restart on other nodes finds it. A snapshot URL (``s3://...``) offers no
-    shared directory; the workers then run in this attempt's directory on this node.
+    shared directory; the workers then run in a directory of this attempt on this node.
     """
     if assignment.working_dir is not None:
         return Path(assignment.working_dir)
     if not is_url(assignment.snapshot_dir):
         return Path(assignment.snapshot_dir).absolute()
-    return attempt_dir.absolute()
+    return attempt_dir.absolute() / NODE_WORKING_DIR
 
 
 def missing_working_dir(assignment: Assignment, node: str) -> str | None:
@@ -192,7 +206,9 @@ def build_launcher_env(
 ) -> dict[str, str]:
     """The launcher's environment; its workers inherit it. Ours wins over ``assignment.env``.
 
-    The agent's own settings and credentials are left out."""
+    The agent's own settings and credentials are left out: the workers get the
+    controller's URL and the attempt's worker token (good for their job's snapshot
+    fence only), never the node's token."""
     env = {
         k: v
         for k, v in base_env.items()
@@ -211,7 +227,7 @@ def build_launcher_env(
             if is_url(assignment.snapshot_dir)
             else os.path.abspath(assignment.snapshot_dir),
             EVENTS_FILE_ENV: str(events_file),
-            STORE_ENDPOINT_ENV: assignment.rendezvous.endpoint,
+            CONTROLLER_URL_ENV: settings.controller_url,
             # Workers get their own MASTER_ADDR store instead of the rendezvous
             # store of the rank-0 agent: avoids restart storms (ELASTIC-FACTS.md).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -221,6 +237,9 @@ def build_launcher_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    env.pop(WORKER_TOKEN_ENV, None)
+    if assignment.worker_token is not None:
+        env[WORKER_TOKEN_ENV] = assignment.worker_token
     if assignment.attempt_number is not None:
         env[ATTEMPT_NUMBER_ENV] = str(assignment.attempt_number)
     if progress_dir is not None:
@@ -230,6 +249,12 @@ def build_launcher_env(
     if assignment.snapshot_every_epochs is not None:
         env[SNAPSHOT_EVERY_EPOCHS_ENV] = str(assignment.snapshot_every_epochs)
     env[SNAPSHOT_KEEP_ENV] = str(assignment.snapshot_keep)
+    if assignment.collective_timeout_s is not None:
+        env[COLLECTIVE_TIMEOUT_ENV] = f"{assignment.collective_timeout_s:g}"
+    # NCCL ends a collective that outlives the process group's timeout by tearing the
+    # process down (1; torch's C++ default is 3, the same without cleaning up), so a
+    # dead peer costs a restart, not a wait forever. The job's env may choose otherwise.
+    env.setdefault(NCCL_ASYNC_ERROR_HANDLING_ENV, "1")
     env[SNAPSHOT_ASYNC_ENV] = "1" if assignment.snapshot_async else "0"
     if GLOO_IFNAME_ENV not in env:
         # Without it gloo binds to what the hostname resolves to, often 127.0.x.1, and
@@ -238,6 +263,14 @@ def build_launcher_env(
         if interface is not None:
             env[GLOO_IFNAME_ENV] = interface
     return env
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only this user may read (0600 from its creation)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
 
 
 def attempt_label(assignment: Assignment) -> str:
@@ -273,14 +306,19 @@ class Attempt:
     PR_SET_PDEATHSIG fires when the *thread* that forked it exits.
     """
 
-    def __init__(self, assignment: Assignment, settings: AgentSettings) -> None:
+    def __init__(
+        self, assignment: Assignment, settings: AgentSettings, node_token: str | None = None
+    ) -> None:
         self.assignment = assignment
         self.attempt_id = assignment.attempt_id
         self._settings = settings
+        self._node_token = node_token
         # Absolute: the launcher runs in the job's working directory, not the agent's.
         self.dir = inside(settings.work_dir, "attempts", str(assignment.attempt_id)).absolute()
         self.events_path = self.dir / "events.jsonl"
         self.progress_dir = self.dir / "progress"
+        # The launcher's rendezvous credential: readable by the agent's user only.
+        self.node_token_path = self.dir / "node-token"
         self._logs = LogOutbox()
         self._events = EventsTail(self.events_path)
         self._popen: subprocess.Popen[bytes] | None = None
@@ -289,6 +327,9 @@ class Attempt:
         self._ctx = "[" + attempt_label(assignment) + "]"
         self._stopper: threading.Thread | None = None
         self._fenced = False
+        # The attempt's membership generation this node last acted on.
+        self._generation = assignment.membership_generation
+        self.membership_path = self.dir / MEMBERSHIP_FILE
         self.exit: AttemptExit | None = None
         self.exit_delivered = False
 
@@ -306,36 +347,62 @@ class Attempt:
             self.exit = AttemptExit(outcome="failed", message=unusable, fatal=True)
             return
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if not is_url(self.assignment.snapshot_dir):
-                Path(self.assignment.snapshot_dir).mkdir(parents=True, exist_ok=True)
-            self.events_path.write_bytes(b"")  # a previous life may have left one
+            user = sandbox.job_user(
+                self._settings.isolation, self._settings.job_uid_base, self.assignment.job_id
+            )
+        except ValueError as exc:
+            logger.error("%s cannot start: %s", self._ctx, exc)
+            self.exit = AttemptExit(outcome="failed", message=str(exc), fatal=True)
+            return
+        try:
+            box = self._prepare_dirs(user)
             torchrun_args = build_torchrun_args(
                 self.assignment,
                 local_addr=self._settings.address,
-                log_dir=self.dir / "torchelastic",
+                log_dir=box.log_dir,
+                controller_url=self._settings.controller_url,
             )
-            env = build_launcher_env(
+            if self._node_token is not None:
+                write_private(self.node_token_path, self._node_token)
+            worker_env = build_launcher_env(
                 self.assignment,
                 settings=self._settings,
                 events_file=self.events_path,
                 base_env=os.environ,
                 progress_dir=self.progress_dir,
             )
+            # The launcher runs as root: it never sees the job's variables in its own
+            # environment; they reach only the workers, through a file of root's.
+            env = build_launcher_env(
+                self.assignment.model_copy(update={"env": {}}),
+                settings=self._settings,
+                events_file=self.events_path,
+                base_env=os.environ,
+                progress_dir=self.progress_dir,
+            )
+            sandbox.write_job_env(box.job_env_file, sandbox.job_env_overlay(worker_env, env))
             command = [
-                sys.executable, "-m", "worker.launch",
+                # -I: no PYTHON* variables, no working directory on sys.path.
+                sys.executable, "-I", "-u", "-m", "worker.launch",
                 "--events-file", str(self.events_path),
                 "--parent-pid", str(os.getpid()),
                 "--restart-policy", self.assignment.restart.model_dump_json(),
                 "--progress-dir", str(self.progress_dir),
+                "--sandbox", box.model_dump_json(),
             ]  # fmt: skip
             if self.assignment.hang_timeout_s is not None:
                 command += ["--hang-timeout-s", str(self.assignment.hang_timeout_s)]
+                if self.assignment.hang_timeout_adaptive:
+                    command.append("--hang-timeout-adaptive")
+            if self._node_token is not None:
+                command += ["--node-token-file", str(self.node_token_path)]
+            self.membership_path.unlink(missing_ok=True)  # a previous life's
+            command += ["--membership-file", str(self.membership_path)]
             command += ["--", *torchrun_args]
             self._popen = subprocess.Popen(
                 command,
                 env=env,
-                cwd=working_dir_for(self.assignment, self.dir),
+                cwd=box.working_dir,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -360,6 +427,28 @@ class Attempt:
             )
             reader.start()
             self._readers.append(reader)
+
+    def _prepare_dirs(self, user: sandbox.JobUser | None) -> sandbox.WorkerSandbox:
+        """The attempt's directories: root's and passable where the launcher writes,
+        the job's own (0700) where the workers write; the job's snapshot directory too."""
+        sandbox.root_dir(self.dir.parent)
+        sandbox.root_dir(self.dir)
+        if not is_url(self.assignment.snapshot_dir):
+            sandbox.private_dir(Path(self.assignment.snapshot_dir), user)
+        self.events_path.write_bytes(b"")  # a previous life may have left one
+        sandbox.own(self.events_path, user, 0o600)  # the runtime appends, so does the launcher
+        sandbox.private_dir(self.progress_dir, user)
+        working_dir = working_dir_for(self.assignment, self.dir)
+        if working_dir == self.dir / NODE_WORKING_DIR:
+            sandbox.private_dir(working_dir, user)
+        return sandbox.WorkerSandbox(
+            user=user,
+            job_env_file=self.dir / "job-env.json",
+            tmp_dir=sandbox.private_dir(self.dir / "tmp", user),
+            log_dir=sandbox.root_dir(self.dir / "torchelastic"),
+            working_dir=working_dir,
+            script=self.assignment.entrypoint.script,
+        )
 
     def _read_stream(self, pipe: IO[bytes] | None, stream: Literal["stdout", "stderr"]) -> None:
         if pipe is None:
@@ -444,6 +533,7 @@ class Attempt:
             message = last.message
         else:
             message = f"launcher exited with code {code} without a launcher_exit event"
+        self.node_token_path.unlink(missing_ok=True)
         self.exit = AttemptExit(
             outcome="succeeded" if code == 0 else "failed",
             exit_code=code,
@@ -484,6 +574,55 @@ class Attempt:
         )
         self._stopper.start()
 
+    def follow_membership(self, assignment: Assignment) -> threading.Thread | None:
+        """End the workers (not the launcher) when the attempt lost a member since this
+        node last looked, so that torch's elastic agent re-forms them at once, without it.
+
+        Nothing signals a worker whose collective waits on a frozen or cut-off peer, so
+        the controller's word (``Assignment.membership_generation``) is what ends that
+        wait, for gloo and NCCL alike. Not if the workers' last rendezvous had no more
+        nodes than the attempt has members now: they already formed without the lost one.
+        The launcher, told by ``membership_path``, reports the ends as a membership
+        change, which costs no restart. The kill (SIGTERM, ``RE_FORM_GRACE_S``, SIGKILL)
+        runs on a thread of its own, which is returned; None if nothing is ended.
+        """
+        generation = assignment.membership_generation
+        if generation <= self._generation:
+            return None
+        self._generation = generation
+        launcher = self.launcher_pid
+        if self._stopper is not None or self.exit is not None or launcher is None:
+            return None
+        formed = self._events.last_of(RendezvousComplete, tail_bytes=1 << 20)
+        members = assignment.active_members
+        nodes = formed.group_world_size if formed is not None else None
+        if nodes is not None and members is not None and nodes <= members:
+            logger.info(
+                "%s a member left; the workers already formed with %d node(s), %d remain",
+                self._ctx, nodes, members,
+            )  # fmt: skip
+            return None
+        workers = procs.descendants(launcher)
+        if not workers:
+            return None
+        logger.warning(
+            "%s a member of the attempt is gone (membership generation %d): ending %d worker "
+            "process(es) so that they re-form without it",
+            self._ctx, generation, len(workers),
+        )  # fmt: skip
+        try:
+            self.membership_path.write_text(f"{generation}\n")
+        except OSError as exc:
+            logger.error("%s cannot write %s: %s", self._ctx, self.membership_path, exc)
+        killer = threading.Thread(
+            target=procs.kill_all,
+            args=(workers, min(RE_FORM_GRACE_S, self._settings.stop_grace_s)),
+            name=f"attempt-{self.attempt_id}-re-form",
+            daemon=True,
+        )
+        killer.start()
+        return killer
+
     def wait_stopped(self, timeout_s: float | None = None) -> None:
         if self._stopper is not None:
             self._stopper.join(timeout_s)
@@ -512,6 +651,7 @@ class Attempt:
             # kill_tree reaped the launcher; tell Popen so it does not wait for it again.
             popen.returncode = code if code is not None else -signal.SIGKILL
         self._join_readers()
+        self.node_token_path.unlink(missing_ok=True)
         if outcome.clean:
             logger.info("%s stopped, nothing left", self._ctx)
         else:
@@ -542,7 +682,9 @@ class Attempt:
         if self._fenced:  # the controller takes no more output, but records how it ended
             if self.exit is None:
                 return None
-            report = AttemptReport(attempt_id=self.attempt_id, exit=self.exit)
+            report = AttemptReport(
+                attempt_id=self.attempt_id, member_id=self.assignment.member_id, exit=self.exit
+            )
             return PendingReport(report, LogBatch([], -1, 0, True), EventBatch([], 0, True))
         logs = self._logs.peek(max_logs, max_log_chars)
         events = self._events.peek(max_events)
@@ -551,6 +693,7 @@ class Attempt:
             return None
         report = AttemptReport(
             attempt_id=self.attempt_id,
+            member_id=self.assignment.member_id,
             logs=logs.lines,
             events=events.events,
             exit=self.exit if last else None,

@@ -37,15 +37,32 @@ def agent(
         int | None, typer.Option(help="Worker processes this node takes (default: 1)")
     ] = None,
     work_dir: Annotated[
-        Path | None, typer.Option(help="Agent state directory (default: ~/.relaunch/agent/NAME)")
+        Path | None,
+        typer.Option(
+            help="Agent state directory (default: ~/.relaunch/agent/NAME; "
+            "as root /var/lib/relaunch-agent/NAME)"
+        ),
+    ] = None,
+    enrolment_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the enrolment token, readable by its owner only (chmod 600); "
+            "safer than RELAUNCH_AGENT_ENROLMENT_TOKEN, which /proc/PID/environ keeps showing"
+        ),
     ] = None,
     log_level: LogLevelOption = "info",
 ) -> None:
     """Run a node agent: register with the controller and run what it assigns.
 
     An option left out is read from its RELAUNCH_AGENT_* variable (RELAUNCH_AGENT_NAME,
-    ...); the enrolment token only from RELAUNCH_AGENT_ENROLMENT_TOKEN. A refused
+    ...); the enrolment token from --enrolment-token-file (RELAUNCH_AGENT_ENROLMENT_TOKEN_FILE)
+    or from RELAUNCH_AGENT_ENROLMENT_TOKEN, never from the command line. A refused
     enrolment token ends the agent with exit status 1.
+
+    As root (RELAUNCH_AGENT_ISOLATION=user, the default) each job runs as a user of its
+    own, uid = gid = RELAUNCH_AGENT_JOB_UID_BASE + job id; not as root, the agent refuses
+    to start unless RELAUNCH_AGENT_ISOLATION=none (every job as the agent's user, for
+    one trusted tenant only).
     """
     from worker.agent import run_agent  # loaded when an agent runs, not for every command
 
@@ -56,6 +73,7 @@ def agent(
         ("address", address),
         ("slots", slots),
         ("work_dir", work_dir),
+        ("enrolment_token_file", enrolment_token_file),
     ):
         if value is not None:
             overrides[key] = value

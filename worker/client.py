@@ -127,6 +127,11 @@ class ControllerClient:
         self._node_token = reply.node_token
         return reply
 
+    @property
+    def node_token(self) -> str | None:
+        """This node's token, once registered; the launchers' rendezvous credential."""
+        return self._node_token
+
     def heartbeat(self, node_id: int, body: Heartbeat) -> HeartbeatReply:
         return self._call(f"/nodes/{node_id}/heartbeat", body, HeartbeatReply, self._as_node())
 

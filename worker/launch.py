@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m worker.launch --events-file F [--parent-pid P] -- <torchrun args>
+    python -m worker.launch --events-file F [--parent-pid P] [--node-token-file T] \
+        -- <torchrun args>
 
 It parses the torchrun arguments with torchrun's own parser and calls
 ``torch.distributed.run.run``. What the elastic agent decides is written to
@@ -19,6 +20,11 @@ on an ``O_APPEND`` descriptor, so lines from several writers never interleave):
 The events come from three wrapped methods of torch's elastic agent, in this
 process only (see ``install_event_hooks``), which also apply relaunch's
 restart policy: fatal failures end the launcher at once, restarts back off.
+
+With ``--node-token-file`` it registers the rendezvous backend ``relaunch``
+(``worker.rendezvous``), which keeps the rendezvous at the controller and calls
+it with the node's token read from that file (and removes the file, before any
+worker starts).
 
 The launcher asks the kernel for SIGTERM when its parent (the node agent) dies;
 torch's agent turns SIGTERM into an orderly stop of its workers.
@@ -40,13 +46,21 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
-from contract.events import HangDetected, LauncherExited, RendezvousComplete, WorkerFailed
+from contract.events import (
+    UNCHARGED_CAUSES,
+    HangDetected,
+    LauncherExited,
+    RendezvousComplete,
+    WorkerFailed,
+)
 from contract.labels import label_from_environ
 from contract.protocol import RestartPolicy
 from worker import procs
 from worker.bootstrap import STACK_DUMP_SIGNAL
+from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
+from worker.sandbox import WorkerSandbox, enter
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +126,34 @@ class Supervision:
 
     events: EventWriter
     policy: RestartPolicy = field(default_factory=RestartPolicy)
-    hang_timeout_s: float | None = None
+    hang_rule: HangRule | None = None  # None: no hang detection
     progress_dir: Path | None = None
     clock: Callable[[], float] = time.time
     fatal: str | None = None  # why the launcher gave up without restarting
     back_off_next_restart: bool = False
     hung_pids: set[int] = field(default_factory=set)
+    # Written by the node agent when it ends the workers because the attempt lost a
+    # member (``worker.attempt.Attempt.follow_membership``); no worker can write it.
+    membership_file: Path | None = None
+    charged: bool = False  # whether the last failed group had a failure that costs a restart
+    beats: BeatWatches | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.hang_rule is not None:
+            self.beats = BeatWatches(self.hang_rule)
+
+    def membership_changed(self) -> bool:
+        return self.membership_file is not None and self.membership_file.exists()
+
+    def forget_membership_change(self) -> None:
+        """A new round formed: a membership change noted before it is over."""
+        if self.membership_file is not None:
+            self.membership_file.unlink(missing_ok=True)
 
     def classify(self, failure: Any) -> tuple[str, bool]:
         """(cause, fatal) of one torch ``ProcessFailure``."""
+        if self.membership_changed():
+            return "membership_change", False
         if failure.pid in self.hung_pids:
             return "hang", False
         if failure.exitcode in self.policy.fatal_exit_codes:
@@ -133,10 +166,15 @@ class Supervision:
         return "crash", False
 
     def on_failed(self, failures: dict[int, Any]) -> bool:
-        """Record each failed worker, first by time first; True if one is fatal."""
+        """Record each failed worker, first by time first; True if one is fatal.
+
+        ``charged`` then says whether one of them costs a restart (not a membership
+        change nor a lost peer)."""
         fatal = False
+        self.charged = False
         for global_rank, failure in sorted(failures.items(), key=lambda kv: kv[1].timestamp):
             cause, is_fatal = self.classify(failure)
+            self.charged = self.charged or cause not in UNCHARGED_CAUSES
             message = failure_message(failure)
             if is_fatal and self.fatal is None:
                 self.fatal = f"{cause.replace('_', ' ')} on rank {global_rank}: {message}"
@@ -152,55 +190,68 @@ class Supervision:
                 )
             )
         self.hung_pids.clear()
+        self.forget_membership_change()
         return fatal
 
     def clear_progress(self, local_ranks: Sequence[int]) -> None:
         """Forget the beats of a worker group that is about to be replaced."""
-        if self.progress_dir is None:
-            return
         for local_rank in local_ranks:
-            with contextlib.suppress(FileNotFoundError):
-                progress_file(self.progress_dir, local_rank).unlink()
+            if self.beats is not None:
+                self.beats.forget(local_rank)
+            if self.progress_dir is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    progress_file(self.progress_dir, local_rank).unlink()
 
-    def find_hung(self, workers: Sequence[Any]) -> list[tuple[Any, float]]:
-        """(worker, idle seconds) of each worker that beat once and then not for the timeout."""
-        if self.hang_timeout_s is None or self.progress_dir is None:
+    def find_hung(self, workers: Sequence[Any]) -> list[tuple[Any, float, HangTimeout]]:
+        """(worker, idle seconds, timeout) of each worker that beat once and then not for
+        its timeout (``worker.hang``). Called at every monitor pass: it also records the
+        beats it sees, which an adaptive timeout is derived from."""
+        if self.beats is None or self.progress_dir is None:
             return []
         now = self.clock()
         hung = []
         for worker in workers:
             try:
-                idle = now - progress_file(self.progress_dir, worker.local_rank).stat().st_mtime
+                beat_at = progress_file(self.progress_dir, worker.local_rank).stat().st_mtime
             except FileNotFoundError:
                 continue  # no beat yet: still starting, or a program that never beats
-            if idle > self.hang_timeout_s and worker.id not in self.hung_pids:
-                hung.append((worker, idle))
+            watch = self.beats.watch(worker.local_rank, worker.id)
+            watch.observe(beat_at)
+            timeout = watch.timeout()
+            idle = now - beat_at
+            if idle > timeout.seconds and worker.id not in self.hung_pids:
+                hung.append((worker, idle, timeout))
         return hung
 
-    def end_hung(self, all_workers: Sequence[Any], hung: list[tuple[Any, float]]) -> None:
+    def end_hung(
+        self, all_workers: Sequence[Any], hung: list[tuple[Any, float, HangTimeout]]
+    ) -> None:
         """Dump every local worker's stacks into the logs, then SIGKILL the hung ones.
 
         The next monitor pass sees them failed; torch restarts the group and the
         failure is reported with cause "hang".
         """
-        for worker, idle in hung:
+        for worker, idle, timeout in hung:
             logger.error(
-                "%s worker rank %s (local rank %s, pid %s) made no progress for %.1f s; "
-                "dumping stacks and restarting",
+                "%s worker rank %s (local rank %s, pid %s) made no progress for %.1f s "
+                "(hang timeout %s); dumping stacks and restarting",
                 _CTX, worker.global_rank, worker.local_rank, worker.id, idle,
+                timeout.derivation,
             )  # fmt: skip
             self.events.emit(
                 HangDetected(
                     local_rank=worker.local_rank,
                     global_rank=worker.global_rank,
                     idle_s=round(idle, 1),
-                    timeout_s=self.hang_timeout_s,
+                    timeout_s=timeout.seconds,
+                    rule=timeout.rule,
+                    derivation=timeout.derivation[:300],
                 )
             )
         for worker in all_workers:
             _signal(worker.id, STACK_DUMP_SIGNAL)
         time.sleep(STACK_DUMP_WAIT_S)
-        for worker, _ in hung:
+        for worker, _, _ in hung:
             self.hung_pids.add(worker.id)
             _signal(worker.id, signal.SIGKILL)
 
@@ -229,9 +280,13 @@ def install_event_hooks(supervision: Supervision) -> None:
       while ``agent._remaining_restarts > 0``; a fatal failure sets it to 0, so
       torch stops the workers and the launcher exits failed. While HEALTHY,
       workers that stopped beating are ended (hang detection).
+      A failed group whose every failure is free (``UNCHARGED_CAUSES``: a lost
+      peer, a member dropped by the controller) gets back the local restart that
+      ``_invoke_run`` is about to take, so that membership changes never exhaust
+      torch's ``--max-restarts``: like the controller's, it counts failures only.
     - ``SimpleElasticAgent._restart_workers(worker_group)`` runs for failures
-      and for membership changes alike; after a failure it first waits the
-      back-off of the job's next restart.
+      and for membership changes alike; after a failure that costs a restart it
+      first waits the back-off of the job's next restart.
 
     The wrappers call the originals and return their results. Install once per
     process, before ``torch.distributed.run.run``.
@@ -254,6 +309,7 @@ def install_event_hooks(supervision: Supervision) -> None:
         world_size = workers[0].world_size if workers else 0
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
         supervision.clear_progress([w.local_rank for w in workers])
+        supervision.forget_membership_change()
         logger.info(
             "%s rendezvous: group_rank=%s group_world_size=%s world_size=%s restart_count=%s",
             _CTX,
@@ -277,8 +333,10 @@ def install_event_hooks(supervision: Supervision) -> None:
         if result.state == WorkerState.FAILED:
             if supervision.on_failed(result.failures):
                 self._remaining_restarts = 0
-            else:
+            elif supervision.charged:
                 supervision.back_off_next_restart = True
+            else:
+                self._remaining_restarts += 1  # _invoke_run takes it back: no restart spent
         elif result.state == WorkerState.HEALTHY:
             hung = supervision.find_hung(worker_group.workers)
             if hung:
@@ -351,8 +409,38 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default=RestartPolicy(),
         help="protocol.RestartPolicy as JSON",
     )
-    parser.add_argument("--hang-timeout-s", type=float, default=None)
+    parser.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=None,
+        help="seconds without a progress beat after which a worker is hung (default: never)",
+    )
+    parser.add_argument(
+        "--hang-timeout-adaptive",
+        action="store_true",
+        help="derive each worker's timeout from its beats (worker.hang), up to --hang-timeout-s",
+    )
     parser.add_argument("--progress-dir", type=Path, default=None)
+    parser.add_argument(
+        "--membership-file",
+        type=Path,
+        default=None,
+        help="present when the node agent ended the workers because the attempt lost a "
+        "member: their ends are a membership change, not a failure",
+    )
+    parser.add_argument(
+        "--node-token-file",
+        type=Path,
+        default=None,
+        help="a file holding the node's token, for --rdzv-backend relaunch",
+    )
+    parser.add_argument(
+        "--sandbox",
+        type=WorkerSandbox.model_validate_json,
+        default=None,
+        help="sandbox.WorkerSandbox as JSON: start the workers as the job's user, with "
+        "the job's variables from its file",
+    )
     parser.add_argument(
         "--parent-pid",
         type=int,
@@ -380,12 +468,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     supervision = Supervision(
         events=events,
         policy=ns.restart_policy,
-        hang_timeout_s=ns.hang_timeout_s,
+        hang_rule=None
+        if ns.hang_timeout_s is None
+        else HangRule(ns.hang_timeout_s, adaptive=ns.hang_timeout_adaptive),
         progress_dir=ns.progress_dir,
+        membership_file=ns.membership_file,
     )
-    install_event_hooks(supervision)
     try:
-        outcome, exitcode, message = run_torchrun(torchrun_args, supervision)
+        refusal = enter(ns.sandbox) if ns.sandbox is not None else None
+        if refusal is not None:
+            logger.error("%s cannot start the workers: %s", _CTX, refusal)
+            events.emit(
+                LauncherExited(outcome="failed", exitcode=1, message=bounded(refusal), fatal=True)
+            )
+            return 1
+        install_event_hooks(supervision)
+        try:
+            if ns.node_token_file is not None:
+                from worker import rendezvous
+
+                rendezvous.register(rendezvous.read_token_file(ns.node_token_file))
+            outcome, exitcode, message = run_torchrun(torchrun_args, supervision)
+        except (OSError, ValueError) as exc:
+            outcome, exitcode, message = "failed", 1, f"cannot read the node token: {exc}"
         events.emit(
             LauncherExited(
                 outcome=outcome,

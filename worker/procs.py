@@ -301,7 +301,10 @@ class PidLedger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)
+        # The agent's own: no job's user may read which processes it tracks.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(text)
         os.replace(tmp, self.path)
         self._last = text
 

@@ -6,12 +6,14 @@ Every field can be set from the environment with the prefix ``RELAUNCH_AGENT_``
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.protocol import DEFAULT_CONTROLLER_URL
@@ -26,7 +28,10 @@ def default_node_name() -> str:
 
 
 def _default_work_dir(data: dict[str, Any]) -> Path:
-    return Path.home() / ".relaunch" / "agent" / str(data.get("name", default_node_name()))
+    name = str(data.get("name", default_node_name()))
+    if os.geteuid() == 0:  # root's home is closed to the jobs' users
+        return Path("/var/lib/relaunch-agent") / name
+    return Path.home() / ".relaunch" / "agent" / name
 
 
 class AgentSettings(BaseSettings):
@@ -37,10 +42,28 @@ class AgentSettings(BaseSettings):
         description="Base URL of the controller, e.g. http://controller.internal:8080; "
         "the default is a controller on this host at its default port",
     )
-    enrolment_token: SecretStr = Field(
+    enrolment_token: SecretStr | None = Field(
+        default=None,
         min_length=1,
         description="The controller's RELAUNCH_ENROLMENT_TOKEN; read from the environment "
-        "only, never from the command line",
+        "only, never from the command line. enrolment_token_file is safer: a process's "
+        "initial environment stays readable in /proc/<pid>/environ",
+    )
+    enrolment_token_file: Path | None = Field(
+        default=None,
+        description="A file holding the enrolment token (mode 0600 or stricter); "
+        "used instead of enrolment_token",
+    )
+    isolation: Literal["user", "none"] = Field(
+        default="user",
+        description="'user': each job's workers run as uid = gid = job_uid_base + job id "
+        "(the agent must run as root); 'none': as the agent's user, for one trusted tenant",
+    )
+    job_uid_base: int = Field(
+        default=200000,
+        ge=1000,
+        le=2**31 - 2,
+        description="Job N runs as uid and gid job_uid_base + N ('user' isolation)",
     )
     name: str = Field(
         default_factory=default_node_name,
@@ -59,7 +82,8 @@ class AgentSettings(BaseSettings):
     slots: int = Field(default=1, ge=1, le=1024)
     work_dir: Path = Field(
         default_factory=_default_work_dir,
-        description="Per-node state: attempt dirs, pid ledger (default ~/.relaunch/agent/<name>)",
+        description="Per-node state: attempt dirs, pid ledger (default ~/.relaunch/agent/<name>; "
+        "as root /var/lib/relaunch-agent/<name>)",
     )
     report_interval_s: float = Field(default=0.5, gt=0, le=60)
     stop_grace_s: float = Field(
@@ -93,6 +117,24 @@ class AgentSettings(BaseSettings):
     def _expand_work_dir(cls, value: Path) -> Path:
         return value.expanduser()
 
+    @model_validator(mode="after")
+    def _read_token_file(self) -> AgentSettings:
+        if self.enrolment_token_file is not None:
+            self.enrolment_token = SecretStr(read_token_file(self.enrolment_token_file))
+        if self.enrolment_token is None:
+            raise ValueError(
+                "the enrolment token is missing: set RELAUNCH_AGENT_ENROLMENT_TOKEN_FILE "
+                "(a 0600 file) or RELAUNCH_AGENT_ENROLMENT_TOKEN"
+            )
+        return self
+
+    @property
+    def token(self) -> str:
+        """The enrolment token (the validator made sure there is one)."""
+        if self.enrolment_token is None:
+            raise ValueError("no enrolment token")
+        return self.enrolment_token.get_secret_value()
+
     @property
     def alive_file(self) -> Path:
         """Touched by the agent's loop every second; the container health check reads it."""
@@ -106,3 +148,23 @@ class AgentSettings(BaseSettings):
         shutdown before the node agent resorts to SIGKILL.
         """
         return max(1, int(self.stop_grace_s) - 1)
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path``, stripped; ``ValueError`` if group or others may read the file
+    or it holds nothing."""
+    path = path.expanduser()
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the enrolment token file {path}: {exc}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(
+            f"the enrolment token file {path} is open to group or others "
+            f"(mode {stat.S_IMODE(mode):04o}); run chmod 600 {path}"
+        )
+    token = text.strip()
+    if not token:
+        raise ValueError(f"the enrolment token file {path} is empty")
+    return token

@@ -1,4 +1,4 @@
-"""The FastAPI application. Boot is explicit: database, migrations, store, reconciler."""
+"""The FastAPI application. Boot is explicit: database, migrations, reconciler."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
+from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import ReportRefused
 from service import auth
-from service.api import health, jobs, nodes, users
+from service.api import enrolment, health, jobs, nodes, rendezvous, users
 from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
 from service.db import (
     make_engine,
+    make_private_dir,
     make_read_engine,
     make_session_factory,
     upgrade_to_head,
@@ -34,13 +36,15 @@ from service.errors import (
     IdempotencyMismatch,
     NotFound,
     StaleState,
+    TooLarge,
     Unauthenticated,
 )
 from service.reconciler import Reconciler, utcnow
 from service.schemas import Problem
+from service.secrets import Keyring, SecretsKeyError, load_keyring, uses_default_key_file
+from service.secrets_db import check_database
 from service.settings import ControllerSettings
 from service.states import InvalidTransition
-from service.store import StoreSupervisor
 
 logger = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
@@ -66,9 +70,12 @@ def create_app(
     *,
     clock: Callable[[], datetime] = utcnow,
     run_background: bool = True,
+    keyring: Keyring | None = None,
 ) -> FastAPI:
-    """Build the app. With ``run_background`` the lifespan also hosts the rendezvous
-    store and runs the reconciler; tests of the API alone turn that off."""
+    """Build the app. With ``run_background`` the lifespan also runs the reconciler;
+    tests of the API alone turn that off. The keys of jobs' env values are ``keyring``,
+    else loaded from ``settings`` at start; either way checked against the database
+    before the app serves."""
     engine = make_engine(settings.db_url)
     factory = make_session_factory(engine)
     read_engine = make_read_engine(settings.db_url, engine)
@@ -76,24 +83,23 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _make_data_dir(settings)
         wait_for_database(engine, settings.database_wait_s)
         upgrade_to_head(settings.db_url)
+        app.state.keyring = _open_keyring(settings, factory, keyring)
         first_token = auth.bootstrap_admin(factory, clock())
         if first_token is not None:
             announce_first_admin(first_token)
         if settings.snapshots_are_local:
             Path(settings.snapshots).mkdir(parents=True, exist_ok=True)
-        store = StoreSupervisor(settings.store_host, settings.store_port)
         reconciler = Reconciler(factory, settings, clock)
         if run_background:
-            store.start()
             reconciler.start()
         logger.info("controller ready on %s:%s", settings.host, settings.port)
         try:
             yield
         finally:
             reconciler.stop()
-            store.stop()
             engine.dispose()
             read_engine.dispose()
 
@@ -111,7 +117,14 @@ def create_app(
     app.state.clock = clock
     app.state.engine = engine
     app.include_router(health.router)
-    for router in (jobs.router, nodes.router, users.router):
+    for router in (
+        jobs.router,
+        nodes.router,
+        users.router,
+        enrolment.router,
+        rendezvous.router,
+        rendezvous.workers,
+    ):
         app.include_router(router, prefix=API_PREFIX, responses=REFUSALS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ConditionalGet, prefix=API_PREFIX)
@@ -123,6 +136,32 @@ def create_app(
 
     _map_errors(app)
     return app
+
+
+def _make_data_dir(settings: ControllerSettings) -> None:
+    """The data dir, when this controller keeps anything there (the SQLite file, its own
+    key file, snapshots), is its owner's only (0700); a wider one is tightened."""
+    snapshots = Path(settings.snapshots)
+    if (
+        settings.database_is_sqlite
+        or uses_default_key_file(settings)
+        or (settings.snapshots_are_local and snapshots.is_relative_to(settings.data_dir))
+    ):
+        make_private_dir(settings.data_dir)
+
+
+def _open_keyring(
+    settings: ControllerSettings, factory: sessionmaker[Session], keyring: Keyring | None
+) -> Keyring:
+    """The keys of jobs' env values, checked against what the database holds; the
+    controller does not start without them (``SecretsKeyError`` names the setting)."""
+    try:
+        keyring = keyring or load_keyring(settings)
+        check_database(factory, keyring)
+    except SecretsKeyError as exc:
+        logger.error("cannot start: %s", exc)
+        raise
+    return keyring
 
 
 FIRST_ADMIN_BANNER = "relaunch: first start; the admin's API token (shown this once):"
@@ -153,6 +192,12 @@ def _map_errors(app: FastAPI) -> None:
     async def forbidden(_: Request, exc: Forbidden) -> JSONResponse:
         return JSONResponse(status_code=status.HTTP_403_FORBIDDEN, content={"detail": str(exc)})
 
+    @app.exception_handler(TooLarge)
+    async def too_large(_: Request, exc: TooLarge) -> JSONResponse:
+        return JSONResponse(
+            status_code=status.HTTP_413_CONTENT_TOO_LARGE, content={"detail": str(exc)}
+        )
+
     @app.exception_handler(IdempotencyMismatch)
     async def mismatch(_: Request, exc: IdempotencyMismatch) -> JSONResponse:
         # Shaped as a validation error of the header, like every other 422.
@@ -178,6 +223,15 @@ def _map_errors(app: FastAPI) -> None:
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
             content={"detail": f"{exc}; nothing was changed, retry"},
             headers={"Retry-After": "1"},
+        )
+
+    @app.exception_handler(SecretsKeyError)
+    async def secrets_key(_: Request, exc: SecretsKeyError) -> JSONResponse:
+        # Checked at start; met here only if a row went unchecked there. The message
+        # names the setting, never a key or a value.
+        logger.error("%s", exc)
+        return JSONResponse(
+            status_code=status.HTTP_500_INTERNAL_SERVER_ERROR, content={"detail": str(exc)}
         )
 
     @app.exception_handler(InvalidTransition)

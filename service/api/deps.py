@@ -14,6 +14,7 @@ from service import auth
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
 from service.models import Node, Role, User
+from service.secrets import Keyring
 from service.settings import ControllerSettings
 
 
@@ -41,6 +42,12 @@ def get_settings(request: Request) -> ControllerSettings:
     return settings
 
 
+def get_keyring(request: Request) -> Keyring:
+    """The keys of jobs' env values, loaded and checked against the database at start."""
+    keyring: Keyring = request.app.state.keyring
+    return keyring
+
+
 def get_now(request: Request) -> datetime:
     clock: Callable[[], datetime] = request.app.state.clock
     return clock()
@@ -56,6 +63,7 @@ def get_session_factory(request: Request) -> sessionmaker[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[ControllerSettings, Depends(get_settings)]
 NowDep = Annotated[datetime, Depends(get_now)]
+KeyringDep = Annotated[Keyring, Depends(get_keyring)]
 FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 ReadFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_factory)]
@@ -102,8 +110,8 @@ def get_admin(user: Annotated[User, Depends(get_user)]) -> User:
     return user
 
 
-def get_node(node_id: IdPath, factory: ReadFactoryDep, credentials: BearerDep) -> Node:
-    """The node whose token the call carries; it must be the node the path names."""
+def get_calling_node(factory: ReadFactoryDep, credentials: BearerDep) -> Node:
+    """The node whose token the call carries."""
     token = _token(credentials)
     with transaction(factory) as session:
         node = auth.node_for_token(session, token)
@@ -111,24 +119,32 @@ def get_node(node_id: IdPath, factory: ReadFactoryDep, credentials: BearerDep) -
             if auth.user_for_token(session, token) is not None:
                 raise Forbidden("a user's token cannot act as a node")
             raise Unauthenticated("the node token is unknown; register again")
+    return node
+
+
+def get_node(node_id: IdPath, factory: ReadFactoryDep, credentials: BearerDep) -> Node:
+    """The node whose token the call carries; it must be the node the path names."""
+    node = get_calling_node(factory, credentials)
     if node.id != node_id:
         raise Forbidden(f"this token belongs to node {node.id}, not node {node_id}")
     return node
 
 
-def check_enrolment(settings: SettingsDep, credentials: BearerDep) -> None:
-    """A registering agent must show the controller's enrolment token."""
-    token = _token(credentials)
-    expected = settings.enrolment_token
-    if expected is None:
-        raise Forbidden(
-            "this controller accepts no nodes: start it with RELAUNCH_ENROLMENT_TOKEN set"
-        )
-    if not auth.same_secret(token, expected.get_secret_value()):
-        raise Unauthenticated("the enrolment token is wrong")
+def enrolment_credential(credentials: BearerDep) -> str:
+    """The credential a registering agent shows: the shared enrolment token or a
+    per-node one. The route checks it (``service.enrolment.admit``) in its own
+    transaction, with the name it registers: a single-use token is used up there."""
+    return _token(credentials)
+
+
+def worker_token(credentials: BearerDep) -> str:
+    """A worker's token, checked by the route against the job it names."""
+    return _token(credentials)
 
 
 UserDep = Annotated[User, Depends(get_user)]
 AdminDep = Annotated[User, Depends(get_admin)]
 NodeDep = Annotated[Node, Depends(get_node)]
-EnrolledDep = Annotated[None, Depends(check_enrolment)]
+EnrolmentDep = Annotated[str, Depends(enrolment_credential)]
+CallingNodeDep = Annotated[Node, Depends(get_calling_node)]
+WorkerTokenDep = Annotated[str, Depends(worker_token)]

@@ -13,6 +13,7 @@ from service.api.deps import (
     MAX_ID,
     FactoryDep,
     IdPath,
+    KeyringDep,
     NowDep,
     Offset,
     PageLimit,
@@ -94,7 +95,6 @@ def attempt_public(attempt: Attempt) -> AttemptPublic:
         id=attempt.id,
         number=attempt.number,
         rdzv_id=attempt.rdzv_id,
-        rdzv_endpoint=attempt.rdzv_endpoint,
         state=attempt.state,
         world_size=attempt.world_size,
         created_at=attempt.created_at,
@@ -130,6 +130,7 @@ def submit(
     user: UserDep,
     factory: FactoryDep,
     settings: SettingsDep,
+    keyring: KeyringDep,
     now: NowDep,
     response: Response,
     idempotency_key: IdempotencyKeyHeader = None,
@@ -137,7 +138,7 @@ def submit(
     limits = jobs.Limits(settings.default_max_active_jobs, settings.default_max_nodes)
 
     def work(session: Session) -> tuple[JobPublic, bool]:
-        job, created = jobs.submit_job(session, body, user, now, limits, idempotency_key)
+        job, created = jobs.submit_job(session, body, user, now, limits, keyring, idempotency_key)
         return job_public(job), created
 
     # A submit with the same key that commits first makes this one's try stale; the

@@ -1,8 +1,9 @@
 """Routes for node agents (register, heartbeat, report, leave) and for watching nodes.
 
-An agent registers with the controller's enrolment token and gets a token of
-its own; every later call of the node carries that token, and a node may act
-only as itself.
+An agent registers with an enrolment credential (the controller's shared
+token or a per-node one, ``service.enrolment``) and gets a token of its own;
+every later call of the node carries that token, and a node may act only as
+itself. Only the holder of an ALIVE node's token registers under its name.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from contract.protocol import (
     NodeRegistered,
     ReportAccepted,
 )
-from service import auth, nodes, reports
+from service import auth, enrolment, nodes, reports
 from service.api.deps import (
-    EnrolledDep,
+    EnrolmentDep,
     FactoryDep,
+    KeyringDep,
     NodeDep,
     NowDep,
     Offset,
@@ -42,11 +44,14 @@ router = APIRouter(prefix="/nodes", tags=["nodes"])
 @router.post("/register", response_model=NodeRegistered)
 def register(
     body: NodeRegister,
-    _: EnrolledDep,
+    credential: EnrolmentDep,
     session: SessionDep,
     settings: SettingsDep,
     now: NowDep,
 ) -> NodeRegistered:
+    """401 or 403: the enrolment credential does not admit this name; 409: the name is
+    an ALIVE node's and the request does not carry that node's token."""
+    enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
     node = nodes.register_node(session, body, now)
     return NodeRegistered(
         node_id=node.id,
@@ -57,9 +62,14 @@ def register(
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(
-    node: NodeDep, body: Heartbeat, session: SessionDep, settings: SettingsDep, now: NowDep
+    node: NodeDep,
+    body: Heartbeat,
+    session: SessionDep,
+    settings: SettingsDep,
+    keyring: KeyringDep,
+    now: NowDep,
 ) -> HeartbeatReply:
-    return nodes.heartbeat(session, node.id, body, settings, now)
+    return nodes.heartbeat(session, node.id, body, settings, now, keyring)
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)

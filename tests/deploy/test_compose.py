@@ -13,13 +13,18 @@ from typing import Any
 
 import pytest
 from compose_spec import PyCompose
+from cryptography.fernet import Fernet
 from pydantic_settings import BaseSettings
 
 from service.settings import ControllerSettings
 from tests.deploy.compose import MissingVariable, cli_commands, load_compose
 from worker.settings import AgentSettings
 
-ENV = {"POSTGRES_PASSWORD": "s3cret", "RELAUNCH_ENROLMENT_TOKEN": "e" * 32}
+ENV = {
+    "POSTGRES_PASSWORD": "s3cret",
+    "RELAUNCH_ENROLMENT_TOKEN": "e" * 32,
+    "RELAUNCH_SECRETS_KEYS": Fernet.generate_key().decode(),
+}
 
 
 @pytest.fixture(scope="module")

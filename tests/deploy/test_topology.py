@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.fernet import Fernet
 
 from service.client import RelaunchClient
 from service.local_cluster import LocalCluster, free_port
@@ -42,13 +43,12 @@ class ComposeHere:
     def __init__(self, data: Path, database_url: str) -> None:
         self.snapshots = data / "volumes" / "snapshots"
         self.snapshots.mkdir(parents=True)
-        self.cluster = LocalCluster(
-            data_dir=data, port=free_port(), store_port=free_port(), snapshot_root=self.snapshots
-        )
+        self.cluster = LocalCluster(data_dir=data, port=free_port(), snapshot_root=self.snapshots)
         self.compose = load_compose(
             {
                 "POSTGRES_PASSWORD": "unused-here",
                 "RELAUNCH_ENROLMENT_TOKEN": self.cluster.enrolment_token,
+                "RELAUNCH_SECRETS_KEYS": Fernet.generate_key().decode(),
             }
         )
         self.services = self.compose["services"]
@@ -63,20 +63,17 @@ class ComposeHere:
             "DATABASE_URL": self.database_url,
             "RELAUNCH_HOST": "127.0.0.1",
             "RELAUNCH_PORT": str(self.cluster.port),
-            "RELAUNCH_STORE_HOST": "127.0.0.1",
-            "RELAUNCH_STORE_PORT": str(self.cluster.store_port),
-            "RELAUNCH_ADVERTISE_HOST": "127.0.0.1",
             "RELAUNCH_SNAPSHOT_ROOT": str(self.snapshots),
             "RELAUNCH_AGENT_CONTROLLER_URL": self.cluster.url,
         }
         containers = {  # what each of those is in the file
             "DATABASE_URL": "postgresql://relaunch:unused-here@postgres:5432/relaunch",
             "RELAUNCH_HOST": "0.0.0.0",
-            "RELAUNCH_STORE_HOST": "0.0.0.0",
-            "RELAUNCH_ADVERTISE_HOST": "controller",
             "RELAUNCH_SNAPSHOT_ROOT": root,
             "RELAUNCH_AGENT_CONTROLLER_URL": api,
         }
+        here["RELAUNCH_AGENT_WORK_DIR"] = str(home / "agent")  # each container has its own
+        containers["RELAUNCH_AGENT_WORK_DIR"] = "/var/lib/relaunch-agent"
         out = {"HOME": str(home)}  # the image's user has its own home: data dir, work dir
         for key, value in env.items():
             if key in containers:

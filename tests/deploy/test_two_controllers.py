@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
+from cryptography.fernet import Fernet
 
 from service.local_cluster import LocalCluster, free_port
 from tests.e2e.helpers import POLL_S, dump_logs
@@ -18,6 +18,7 @@ from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 LEASE_S = 2.0
+SECRETS_KEY = Fernet.generate_key().decode()
 
 
 def _controller(
@@ -25,7 +26,7 @@ def _controller(
 ) -> LocalCluster:
     """A controller; after the ``first``, one that shares its database and secrets (the
     first admin is made, and its token shown, only by the controller that starts first)."""
-    c = LocalCluster(data_dir=data / name, port=free_port(), store_port=free_port())
+    c = LocalCluster(data_dir=data / name, port=free_port())
     if first is not None:
         c.admin_token, c.enrolment_token = first.admin_token, first.enrolment_token
     c.data_dir.mkdir(parents=True)
@@ -34,18 +35,10 @@ def _controller(
             "DATABASE_URL": database_url,
             "RELAUNCH_CONTROLLER_ID": name,
             "RELAUNCH_LEADER_LEASE_S": str(LEASE_S),
+            "RELAUNCH_SECRETS_KEYS": SECRETS_KEY,  # the same on every controller
         }
     )
     return c
-
-
-def _stores(port: int) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "service.store" in cmd and str(port) in cmd:
-            found.append(proc)
-    return found
 
 
 @pytest.fixture
@@ -57,8 +50,6 @@ def pair(tmp_path: Path, pg_database: str) -> Iterator[tuple[LocalCluster, Local
     finally:
         for c in (a, b):
             c.stop_all()
-            for store in _stores(c.store_port):  # a SIGKILLed controller leaves its store
-                store.kill()
             dump_logs(c.data_dir)
 
 

@@ -25,9 +25,7 @@ def running_cluster(
     controller_env: dict[str, str] | None = None,
 ) -> Iterator[LocalCluster]:
     """A controller and ``agents``, stopped (and their logs printed) on the way out."""
-    c = LocalCluster(
-        data_dir=data, port=free_port(), store_port=free_port(), snapshot_root=snapshot_root
-    )
+    c = LocalCluster(data_dir=data, port=free_port(), snapshot_root=snapshot_root)
     try:
         c.start_controller(controller_env)
         for name in agents:
@@ -74,6 +72,14 @@ def dump_job(client: RelaunchClient, job_id: int, lines: int = 60) -> None:
         print(f"{event['time']} {event['kind']} node={event['node_id']} {event['data']}")
     for entry in client.logs(job_id)[-lines:]:
         print(f"{entry['time']} node={entry['node_id']} {entry['stream']}: {entry['line']}")
+
+
+def all_logs(client: RelaunchClient, job_id: int) -> list[dict[str, Any]]:
+    """Every log line of the job, page by page."""
+    lines: list[dict[str, Any]] = []
+    while page := client.logs(job_id, after_id=lines[-1]["id"] if lines else 0):
+        lines += page
+    return lines
 
 
 def wait_no_processes(cluster: LocalCluster, job_id: int, timeout_s: float = 15) -> None:

@@ -23,9 +23,7 @@ class Controller:
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
-    cluster = LocalCluster(
-        data_dir=tmp_path_factory.mktemp("cli"), port=free_port(), store_port=free_port()
-    )
+    cluster = LocalCluster(data_dir=tmp_path_factory.mktemp("cli"), port=free_port())
     try:
         cluster.start_controller()
         assert cluster.admin_token is not None

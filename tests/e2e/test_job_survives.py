@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def final_model(cluster: LocalCluster, job_id: int) -> dict[str, torch.Tensor]:
-    path = cluster.data_dir / "snapshots" / f"job-{job_id}" / "final.pt"
+    path = cluster.snapshot_dir(job_id) / "final.pt"
     state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return state
 
@@ -108,20 +108,20 @@ def test_cancel_ends_every_process_of_the_job(
 def test_a_torchrun_script_runs_unchanged_as_a_job(
     cluster: LocalCluster, client: RelaunchClient, tmp_path: Path
 ) -> None:
-    out = tmp_path / "result.json"
     job_id = client.submit(
         {
             "name": "user-script",
             "script": {
                 "path": str(REPO / "examples" / "torchrun_script.py"),
-                "args": ["--out", str(out)],
+                # Relative: into the job's own directory, where the job's user may write.
+                "args": ["--out", "result.json"],
             },
             "nnodes": "2:2",
         }
     )["id"]
     job = wait_terminal(client, job_id)
     assert job["state"] == "SUCCEEDED", job
-    result = json.loads(out.read_text())
+    result = json.loads((cluster.snapshot_dir(job_id) / "result.json").read_text())
     assert result["world_size"] == 2
     entries = client.logs(job_id)
     lines = [entry["line"] for entry in entries]

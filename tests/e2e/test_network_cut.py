@@ -82,7 +82,7 @@ def hosts() -> Iterator[Hosts]:
 @pytest.fixture(scope="module")
 def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     data = tmp_path_factory.mktemp("netns")
-    c = LocalCluster(data_dir=data, port=free_port(), store_port=free_port(), host=hosts.controller)
+    c = LocalCluster(data_dir=data, port=free_port(), host=hosts.controller)
     try:
         c.start_controller({"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)})
         for name, (_, _, address) in hosts.nodes.items():
@@ -127,5 +127,7 @@ def test_a_node_cut_off_the_network_is_left_behind_and_fenced_when_it_returns(
         job = wait_terminal(client, job_id)
         assert_trained(client, job)
         members = job["attempts"][0]["members"]
-        assert [m["state"] for m in members if m["node_name"] == victim] == ["LEFT"]
+        # Its old membership ended when it was lost; back and free, it may join the
+        # attempt again in place, with a new membership.
+        assert next(m["state"] for m in members if m["node_name"] == victim) == "LEFT"
         wait_no_processes(cluster, job_id)

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from service.client import RelaunchClient
 from service.local_cluster import LocalCluster
-from tests.e2e.helpers import POLL_S, dumped_on_failure, wait_no_processes, wait_terminal
+from tests.e2e.helpers import (
+    POLL_S,
+    all_logs,
+    dumped_on_failure,
+    wait_no_processes,
+    wait_terminal,
+)
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -109,4 +118,53 @@ def test_the_example_script_resumes_from_its_own_snapshot_after_a_kill(
     assert metrics[-1]["step"] == 6 * steps_per_epoch
     assert metrics[-1]["loss"] is not None
     assert job["last_step"] == 6 * steps_per_epoch
+    wait_no_processes(cluster, job_id)
+
+
+def test_a_frozen_worker_of_a_plain_script_is_found_by_its_own_step_time(
+    cluster: LocalCluster, client: RelaunchClient
+) -> None:
+    """Sub-second steps and the default hang timeout: the timeout is the adaptive floor,
+    not the 600 s cap, so the stopped worker is dumped and restarted, and the job ends."""
+    job_id = client.submit(
+        script_job("frozen", "torchrun_script.py", "--steps", "300", "--step-delay", "0.05")
+    )["id"]
+    with dumped_on_failure(client, job_id):
+        wait_for(
+            "steps of a known rhythm",
+            lambda: (client.job(job_id)["last_step"] or 0) >= 40,
+            120,
+            POLL_S,
+        )
+    workers = cluster.job_workers(job_id)
+    assert len(workers) == 2, workers  # one on each node
+    victim = workers[0]
+    victim.send_signal(signal.SIGSTOP)  # just that worker: its launcher and node go on
+    stopped_at = time.monotonic()
+    try:
+
+        def hang_detected() -> list[dict[str, Any]]:
+            return [e for e in client.events(job_id) if e["kind"] == "hang_detected"]
+
+        with dumped_on_failure(client, job_id):
+            hangs = wait_for("the frozen worker to be found hung", hang_detected, 180, POLL_S)
+        found_s = time.monotonic() - stopped_at
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.send_signal(signal.SIGCONT)
+
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restart_count"] >= 1
+    for hang in hangs:
+        data = hang["data"]
+        assert data["rule"] == "adaptive"
+        assert data["timeout_s"] <= 60, data  # derived from the steps, not the 600 s cap
+        assert "median beat interval" in data["derivation"]
+        assert "adaptive" in hang["message"]
+    events = client.events(job_id)
+    assert "hang" in {e["data"]["cause"] for e in events if e["kind"] == "worker_failed"}
+    dumps = [line for line in all_logs(client, job_id) if "most recent call" in line["line"]]
+    assert dumps, "no stack dump in the job's logs"
+    print(f"hang found {found_s:.1f} s after the SIGSTOP; timeout {hangs[0]['data']}")
     wait_no_processes(cluster, job_id)

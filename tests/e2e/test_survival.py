@@ -21,6 +21,7 @@ from service.local_cluster import LocalCluster
 from tests.e2e.helpers import (
     NODE_TIMEOUT_S,
     POLL_S,
+    all_logs,
     assert_trained,
     regression,
     running_cluster,
@@ -75,13 +76,6 @@ def start_nodes(cluster: LocalCluster, nodes: list[str], *names: str) -> None:
         cluster.start_agent(name)
         nodes.append(name)
     wait_for(f"nodes {names} alive", lambda: set(names) <= alive_nodes(cluster), 60, POLL_S)
-
-
-def all_logs(client: RelaunchClient, job_id: int) -> list[dict[str, Any]]:
-    lines: list[dict[str, Any]] = []
-    while page := client.logs(job_id, after_id=lines[-1]["id"] if lines else 0):
-        lines += page
-    return lines
 
 
 def node_of_rank(cluster: LocalCluster, job_id: int, rank: int) -> str:
@@ -235,8 +229,74 @@ def test_a_paused_node_that_comes_back_is_fenced_out_of_its_old_attempt(
     assert_trained(client, job)
     attempt = job["attempts"][0]
     victim_rows = [m for m in attempt["members"] if m["node_name"] == victim]
-    assert [m["state"] for m in victim_rows] == ["LEFT"]  # never re-added to that attempt
-    assert max(m["world_size"] for m in client.metrics(job_id)[-3:]) == 1
+    # Its old membership is over; back and free, it may join the attempt again in
+    # place, always with a new membership.
+    assert victim_rows[0]["state"] == "LEFT"
+    assert all(m["joined_at"] >= victim_rows[0]["left_at"] for m in victim_rows[1:])
+    wait_no_processes(cluster, job_id)
+
+
+def test_a_frozen_node_is_dropped_and_the_survivor_re_forms_at_once_without_a_restart(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    """A whole node (agent, launcher, workers) freezes: no socket ever fails, and the
+    job's default hang timeout (minutes) is far off. The controller's heartbeat timeout
+    alone drops it, and the survivor's agent ends its stuck workers; they re-form alone
+    from the newest snapshot. The node thaws and joins the attempt again in place."""
+    start_nodes(cluster, nodes, "freeze-a", "freeze-b")
+    spec = regression("frozen", "1:2", params={"epochs": 8, "step_delay": 0.15})
+    assert "hang_timeout_s" not in spec
+    job_id = client.submit(spec)["id"]
+    wait_world_size(client, job_id, 2, after_step=6)
+    victim = node_of_rank(cluster, job_id, 1)
+    frozen = cluster.signal_node(victim, signal.SIGSTOP)
+    try:
+        frozen_at = time.monotonic()
+        step = client.job(job_id)["last_step"] or 0
+        wait_world_size(client, job_id, 1, after_step=step)
+        recovered_s = time.monotonic() - frozen_at
+        job = client.job(job_id)
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 0)
+        assert len(job["attempts"]) == 1
+    finally:
+        for proc in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGCONT)
+    print(f"the survivor trained again {recovered_s:.1f} s after the freeze")
+    wait_world_size(client, job_id, 2, after_step=client.job(job_id)["last_step"] or 0)
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    assert job["restart_count"] == 0
+    assert len(job["attempts"]) == 1
+    failed = [e for e in client.events(job_id) if e["kind"] == "worker_failed"]
+    assert {e["data"]["cause"] for e in failed} <= {"membership_change", "peer_lost"}
+    assert "membership_change" in {e["data"]["cause"] for e in failed}
+    wait_no_processes(cluster, job_id)
+
+
+def test_ten_membership_changes_spend_no_restart_anywhere(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
+) -> None:
+    """A node leaves and comes back five times (ten membership changes); max_restarts
+    is 3, for relaunch and for torch's launchers alike. The other node's launcher sees
+    every departure (each broke its workers' collective), and nothing of either budget
+    is spent: no launcher gives up."""
+    start_nodes(cluster, nodes, "churn-a", "churn-b")
+    spec = regression("churn", "1:2", params={"epochs": 20, "step_delay": 0.1})
+    job_id = client.submit(spec)["id"]
+    wait_world_size(client, job_id, 2, after_step=2)
+    for _ in range(5):
+        name = "churn-b"
+        cluster.stop(name)  # SIGTERM: the agent stops its part and leaves
+        wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+        cluster.start_agent(name)  # back under its name: it joins the attempt in place
+        wait_world_size(client, job_id, 2, after_step=client.job(job_id)["last_step"] or 0)
+    job = wait_terminal(client, job_id)
+    assert_trained(client, job)
+    assert (job["restart_count"], len(job["attempts"])) == (0, 1)
+    assert job["membership_changes"] >= 10
+    kinds = [e["kind"] for e in client.events(job_id)]
+    assert "node_failed" not in kinds and "restarting" not in kinds
     wait_no_processes(cluster, job_id)
 
 
@@ -245,7 +305,11 @@ def test_a_hung_worker_is_detected_dumped_and_restarted(
 ) -> None:
     start_nodes(cluster, nodes, "hang-a", "hang-b")
     spec = regression(
-        "hang", "2:2", hang_timeout_s=4, params={"freeze_at_step": 12, "freeze_rank": 1}
+        "hang",
+        "2:2",
+        hang_timeout_s=4,
+        collective_timeout_s=45,
+        params={"freeze_at_step": 12, "freeze_rank": 1},
     )
     job_id = client.submit(spec)["id"]
 
@@ -255,10 +319,14 @@ def test_a_hung_worker_is_detected_dumped_and_restarted(
     events = client.events(job_id)
     hangs = [e for e in events if e["kind"] == "hang_detected"]
     assert hangs and hangs[0]["data"]["idle_s"] >= 4
+    assert (hangs[0]["data"]["timeout_s"], hangs[0]["data"]["rule"]) == (4, "fixed")
     failed = [e for e in events if e["kind"] == "worker_failed"]
     assert {e["data"]["cause"] for e in failed} == {"hang"}
     dumps = [line for line in all_logs(client, job_id) if "most recent call" in line["line"]]
     assert dumps, "no stack dump in the job's logs"
+    # The spec's collective timeout reached every worker's process group.
+    joined = [line for line in all_logs(client, job_id) if "joined process group" in line["line"]]
+    assert joined and all("collective timeout=45s" in line["line"] for line in joined), joined
     wait_no_processes(cluster, job_id)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,8 @@ def test_the_workers_run_in_the_jobs_working_dir(
 ) -> None:
     workdir = tmp_path / "runs"
     workdir.mkdir()
+    # As root each job runs as a user of its own, which must be let in to write here.
+    workdir.chmod(0o777)
     spec = {
         "name": "in-workdir",
         "script": {"path": _script(tmp_path)},
@@ -75,3 +78,24 @@ def test_a_working_dir_missing_on_a_node_fails_the_job_at_once(
     assert job["restart_count"] == 0, job
     assert f"working_dir {missing} does not exist on node node-" in job["message"], job
     assert not missing.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their own users only under root")
+def test_a_working_dir_the_jobs_user_cannot_enter_fails_the_job_at_once(
+    client: RelaunchClient, tmp_path: Path
+) -> None:
+    closed = tmp_path / "closed"
+    (closed / "runs").mkdir(parents=True)
+    closed.chmod(0o700)
+    spec = {
+        "name": "closed-workdir",
+        "script": {"path": _script(tmp_path)},
+        "nnodes": "2:2",
+        "max_restarts": 3,
+        "working_dir": str(closed / "runs"),
+    }
+    job_id = client.submit(spec)["id"]
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "FAILED", job
+    assert job["restart_count"] == 0, job
+    assert f"cannot enter working_dir {closed / 'runs'}: Permission denied" in job["message"], job

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography.fernet import Fernet
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
@@ -15,13 +16,16 @@ from service.settings import ControllerSettings
 from tests.helpers import FakeClock
 from tests.service.helpers import ENROLMENT_TOKEN, Cluster
 
+# Controllers on PostgreSQL must be given their key; on SQLite each makes its own.
+PG_SECRETS_KEY = Fernet.generate_key().decode()
+
 
 @pytest.fixture
 def settings(db_url: str, tmp_path: Path) -> ControllerSettings:
     return ControllerSettings(
         data_dir=tmp_path / "data",
         database_url=db_url,
-        store_port=29999,
+        secrets_keys=None if db_url.startswith("sqlite") else PG_SECRETS_KEY,
         node_timeout_s=10,
         enrolment_token=ENROLMENT_TOKEN,
     )
@@ -33,6 +37,7 @@ def api(settings: ControllerSettings, clock: FakeClock) -> Iterator[Cluster]:
     app = create_app(settings, clock=clock, run_background=False)
     with Cluster(app) as client:
         client.node_tokens = {}
+        client.name_tokens = {}
         client.user_token = client.add_user("root", Role.ADMIN)
         yield client
 

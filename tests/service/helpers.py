@@ -21,14 +21,19 @@ _NODE_ROUTE = re.compile(r"^/api/v1/nodes/(\d+)/(heartbeat|reports|leave)$")
 class Cluster(TestClient):
     """The API as every party calls it: job and user routes as a user (the first admin
     unless told otherwise), registration with the enrolment token, and each node's
-    routes with the token that node got when it registered.
+    routes with the token that node got when it registered. Like a real agent, which
+    keeps its node token, ``register`` presents the token the name last got.
 
     A request that sets its own ``authorization`` header keeps it; the auth tests
     use that to call as someone else.
     """
 
     user_token: str = ""
-    node_tokens: dict[int, str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.node_tokens: dict[int, str] = {}
+        self.name_tokens: dict[str, str] = {}
 
     def request(self, method: str, url: httpx.URL | str, **kwargs: Any) -> httpx.Response:  # type: ignore[override]
         headers = dict(kwargs.pop("headers", None) or {})
@@ -39,6 +44,7 @@ class Cluster(TestClient):
         if path == "/api/v1/nodes/register" and response.status_code == 200:
             body = response.json()
             self.node_tokens[body["node_id"]] = body["node_token"]
+            self.name_tokens[kwargs["json"]["name"]] = body["node_token"]
         return response
 
     def _token_for(self, path: str) -> str:
@@ -61,9 +67,17 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def register(api: TestClient, name: str, slots: int = 1) -> int:
+    """Register ``name`` as its agent does: with the node token it got last time, if any."""
+    node_token = getattr(api, "name_tokens", {}).get(name)
     r = api.post(
         "/api/v1/nodes/register",
-        json={"name": name, "address": "127.0.0.1", "slots": slots, "pid": 1},
+        json={
+            "name": name,
+            "address": "127.0.0.1",
+            "slots": slots,
+            "pid": 1,
+            "node_token": node_token,
+        },
     )
     assert r.status_code == 200, r.text
     node_id: int = r.json()["node_id"]

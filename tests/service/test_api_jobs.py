@@ -6,12 +6,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from cryptography.fernet import Fernet
 from fastapi.testclient import TestClient
 
 from service.api.jobs import job_public
 from service.models import Job
 from service.reconciler import Reconciler
 from service.schemas import REDACTED
+from service.secrets import Keyring, open_env
 from service.settings import ControllerSettings
 from service.states import JobState
 
@@ -83,6 +85,12 @@ def test_an_absolute_working_dir_is_accepted_and_shown_in_the_spec(api: TestClie
         ({"name": ""}, "at least 1 character"),
         ({"surprise": 1}, "Extra inputs are not permitted"),
         ({"max_restarts": -1}, "greater than or equal to 0"),
+        ({"hang_timeout_s": 0}, "greater than 0"),
+        ({"hang_timeout_s": "soon"}, "'auto'"),
+        ({"hang_timeout_s": 8 * 24 * 3600}, "less than or equal to 604800"),
+        ({"collective_timeout_s": 5}, "greater than or equal to 10"),
+        ({"collective_timeout_s": 10**6}, "less than or equal to 86400"),
+        ({"collective_timeout_s": None}, "valid number"),
     ],
 )
 def test_invalid_specs_get_a_422_that_says_what_is_wrong(
@@ -172,4 +180,6 @@ def test_the_spec_is_parsed_once_and_redacted_only_in_the_response() -> None:
     )
     assert row.job_spec is row.job_spec
     assert job_public(row).spec.env == {"TOKEN": REDACTED}
-    assert row.job_spec.env == {"TOKEN": "s3cret"}  # what the nodes are sent
+    assert row.job_spec.env == {"TOKEN": ""}  # names only: values are read with open_env
+    # A row stored before values were encrypted: still what the nodes are sent.
+    assert open_env(Keyring((Fernet.generate_key(),), "test"), row.spec) == {"TOKEN": "s3cret"}

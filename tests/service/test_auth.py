@@ -25,11 +25,30 @@ ADMIN_ONLY = {
     ("GET", "/api/v1/users/{user_id}/tokens"),
     ("POST", "/api/v1/users/{user_id}/tokens"),
     ("POST", "/api/v1/tokens/{token_id}/revoke"),
+    ("POST", "/api/v1/enrolment-tokens"),
+    ("GET", "/api/v1/enrolment-tokens"),
+    ("POST", "/api/v1/enrolment-tokens/{token_id}/revoke"),
 }
 NODE_ROUTES = {
     ("POST", "/api/v1/nodes/{node_id}/heartbeat"),
     ("POST", "/api/v1/nodes/{node_id}/reports"),
     ("POST", "/api/v1/nodes/{node_id}/leave"),
+}
+# A node's launcher keeps its attempt's rendezvous here; workers their job's snapshot fence.
+RDZV = "/api/v1/rendezvous/{rdzv_id}"
+RENDEZVOUS_ROUTES = {
+    ("GET", f"{RDZV}/state"),
+    ("POST", f"{RDZV}/state"),
+    ("POST", f"{RDZV}/store/set"),
+    ("POST", f"{RDZV}/store/get"),
+    ("POST", f"{RDZV}/store/add"),
+    ("POST", f"{RDZV}/store/compare_set"),
+    ("POST", f"{RDZV}/store/delete_key"),
+    ("GET", f"{RDZV}/store/num_keys"),
+}
+WORKER_ROUTES = {
+    ("GET", "/api/v1/workers/jobs/{job_id}/snapshot-writer"),
+    ("POST", "/api/v1/workers/jobs/{job_id}/snapshot-writer"),
 }
 REGISTER = ("POST", "/api/v1/nodes/register")
 # Routes about one job: another user's job must look like no job at all.
@@ -39,10 +58,17 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/api/v1/jobs"): {"name": "walk", "task": {"name": "regression"}},
     ("POST", "/api/v1/users"): {"name": "walker"},
     ("POST", "/api/v1/users/{user_id}/tokens"): {"label": "walk"},
+    ("POST", "/api/v1/enrolment-tokens"): {},
     REGISTER: {"name": "walk-node", "address": "127.0.0.1", "slots": 1, "pid": 1},
     ("POST", "/api/v1/nodes/{node_id}/heartbeat"): {"running": []},
     ("POST", "/api/v1/nodes/{node_id}/reports"): {"attempt_id": 1},
     ("POST", "/api/v1/nodes/{node_id}/leave"): {},
+    ("POST", f"{RDZV}/state"): {"state": "AA=="},
+    ("POST", f"{RDZV}/store/set"): {"items": [{"key": "k", "value": "AA=="}]},
+    ("POST", f"{RDZV}/store/get"): {"keys": ["k"]},
+    ("POST", f"{RDZV}/store/add"): {"key": "k", "amount": 1},
+    ("POST", f"{RDZV}/store/compare_set"): {"key": "k", "expected": "", "desired": "AA=="},
+    ("POST", f"{RDZV}/store/delete_key"): {"key": "k"},
 }
 
 
@@ -70,6 +96,7 @@ class World:
             node_id=self.node,
             user_id=self.alice_id,
             token_id=1,
+            rdzv_id="relaunch-job1-attempt1",
         )
 
     def call(self, method: str, path: str, token: str | None, job_id: int | None = None) -> Any:
@@ -94,7 +121,7 @@ def world(api: Cluster) -> World:
 
 
 def test_the_walk_covers_every_route(api: Cluster) -> None:
-    known = PUBLIC | ADMIN_ONLY | NODE_ROUTES | {REGISTER}
+    known = PUBLIC | ADMIN_ONLY | NODE_ROUTES | RENDEZVOUS_ROUTES | WORKER_ROUTES | {REGISTER}
     user_routes = [r for r in routes(api.app) if r not in known]
     assert len(user_routes) == 10, user_routes  # a new route must be walked too
     assert {r for r in known if r in routes(api.app)} == known
@@ -114,16 +141,21 @@ def test_every_route_but_the_health_check_answers_401_without_a_credential(
 
 
 def test_users_are_refused_admin_routes_and_node_routes(world: World) -> None:
-    for method, path in sorted(ADMIN_ONLY | NODE_ROUTES):
+    for method, path in sorted(ADMIN_ONLY | NODE_ROUTES | RENDEZVOUS_ROUTES):
         r = world.call(method, path, world.alice)
         assert r.status_code == 403, (method, path, r.text)
+    for method, path in sorted(WORKER_ROUTES):  # a user's token is no worker token
+        assert world.call(method, path, world.alice).status_code == 401
     r = world.call(*REGISTER, world.alice)  # a user token is not the enrolment token
     assert r.status_code == 401
 
 
 def test_a_node_token_is_refused_every_user_route(world: World) -> None:
     for method, path in routes(world.api.app):
-        if (method, path) in PUBLIC | NODE_ROUTES or (method, path) == REGISTER:
+        if (method, path) in PUBLIC | NODE_ROUTES | RENDEZVOUS_ROUTES or (method, path) == REGISTER:
+            continue
+        if (method, path) in WORKER_ROUTES:  # a node's token is no worker token
+            assert world.call(method, path, world.node_token).status_code == 401
             continue
         r = world.call(method, path, world.node_token)
         assert r.status_code == 403, (method, path, r.text)
@@ -205,10 +237,12 @@ def test_registration_needs_the_enrolment_token(
         assert wrong.status_code == 401
         right = client.post("/api/v1/nodes/register", json=body, headers=bearer(ENROLMENT_TOKEN))
         assert right.status_code == 200 and right.json()["node_token"].startswith("rln_")
+    # Without a shared token, only a per-node token an admin made admits a node.
     closed = settings.model_copy(update={"enrolment_token": None})
     with TestClient(create_app(closed, clock=clock, run_background=False)) as client:
         r = client.post("/api/v1/nodes/register", json=body, headers=bearer(ENROLMENT_TOKEN))
-        assert r.status_code == 403 and "RELAUNCH_ENROLMENT_TOKEN" in r.json()["detail"]
+        assert r.status_code == 401 and "RELAUNCH_ENROLMENT_TOKEN" in r.json()["detail"]
+        assert "relaunch nodes token create" in r.json()["detail"]
 
 
 def test_the_first_start_makes_one_admin_and_shows_its_token_once(

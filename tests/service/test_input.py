@@ -55,7 +55,7 @@ def _unbounded(schema: dict[str, Any], defs: dict[str, Any], where: str) -> list
         for i, sub in enumerate(schema.get(key, [])):
             found += _unbounded(sub, defs, f"{where}|{i}")
     kind = schema.get("type")
-    if kind == "string" and "maxLength" not in schema and "enum" not in schema:
+    if kind == "string" and not {"maxLength", "enum", "const"} & schema.keys():
         found.append(where)
     if kind == "array":
         if "maxItems" not in schema:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,9 @@ def test_alembic_by_hand_defaults_to_the_data_dir(tmp_path: Path) -> None:
     data_dir = tmp_path / "fresh" / "data"  # does not exist yet
     done = _alembic_by_hand({"RELAUNCH_DATA_DIR": str(data_dir)}, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Only its owner may read the database, which holds the jobs' (encrypted) env.
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o711
+    assert stat.S_IMODE((data_dir / "relaunch.db").stat().st_mode) == 0o600
     engine = make_engine(f"sqlite:///{data_dir / 'relaunch.db'}")
     try:
         assert set(inspect(engine).get_table_names()) >= TABLES
@@ -125,5 +129,32 @@ def test_finished_members_and_nodes_that_left_migrate_both_ways(
         assert states() == ({a: "EXITED", b: "LEFT"}, {a: "ALIVE", b: "LOST"})
         upgrade_to_head(db_url)
         assert states() == ({a: "FINISHED", b: "LEFT"}, {a: "ALIVE", b: "LOST"})
+    finally:
+        engine.dispose()
+
+
+def test_enrolment_tokens_migrate_up_and_down(db_url: str) -> None:
+    """0010 makes the table of per-node enrolment tokens; down one step drops it, and
+    nothing else."""
+    engine = make_engine(db_url)
+    try:
+        upgrade_to_head(db_url)
+        assert "enrolment_tokens" in inspect(engine).get_table_names()
+        command.downgrade(alembic_config(db_url), "0010-1")
+        tables = set(inspect(engine).get_table_names())
+        assert "enrolment_tokens" not in tables and tables >= TABLES | {"users"}
+        upgrade_to_head(db_url)
+        columns = {c["name"] for c in inspect(engine).get_columns("enrolment_tokens")}
+        assert columns == {
+            "id",
+            "token_hash",
+            "node_name",
+            "single_use",
+            "expires_at",
+            "used_at",
+            "revoked_at",
+            "created_at",
+            "created_by",
+        }
     finally:
         engine.dispose()

@@ -30,7 +30,8 @@ def test_job_waits_for_min_nodes_then_runs_on_them(api: TestClient, reconciler: 
         assert assignment["attempt_id"] == attempt["id"]
         assert assignment["attempt_number"] == attempt["number"] == 1
         assert assignment["rendezvous"]["rdzv_id"] == attempt["rdzv_id"]
-        assert assignment["rendezvous"]["endpoint"].endswith(":29999")
+        assert "endpoint" not in assignment["rendezvous"]  # the node's controller serves it
+        assert assignment["worker_token"].startswith("rlw_")  # the node does not run it yet
         assert assignment["entrypoint"]["module"] == "worker.tasks.regression"
         assert "--epochs" in assignment["entrypoint"]["args"]
         assert assignment["snapshot_dir"].endswith(f"job-{job_id}")
@@ -46,6 +47,29 @@ def test_the_assignment_carries_the_jobs_working_dir(
     reconciler.run_once()
     [assignment] = heartbeat(api, a)
     assert assignment["working_dir"] == "/data/runs/exp1"
+
+
+@pytest.mark.parametrize(
+    ("spec", "sent"),
+    [
+        ({}, (600.0, True, 300.0)),  # the defaults: an adaptive hang timeout up to 600 s
+        ({"hang_timeout_s": 45, "collective_timeout_s": 60}, (45.0, False, 60.0)),
+        ({"hang_timeout_s": None}, (None, False, 300.0)),
+    ],
+    ids=["defaults", "explicit", "no-hang-detection"],
+)
+def test_the_assignment_carries_the_hang_rule_and_the_collective_timeout(
+    api: TestClient, reconciler: Reconciler, spec: dict[str, Any], sent: tuple[Any, ...]
+) -> None:
+    a = register(api, "a")
+    job_id = submit(api, "1", **spec)
+    reconciler.run_once()
+    [assignment] = heartbeat(api, a)
+    keys = ("hang_timeout_s", "hang_timeout_adaptive", "collective_timeout_s")
+    assert tuple(assignment[k] for k in keys) == sent
+    shown = job(api, job_id)["spec"]
+    assert shown["hang_timeout_s"] == spec.get("hang_timeout_s", "auto")
+    assert shown["collective_timeout_s"] == spec.get("collective_timeout_s", 300)
 
 
 def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
@@ -262,6 +286,7 @@ def test_a_silent_node_is_lost_and_the_job_goes_on_without_it(
     a, b = register(api, "a"), register(api, "b")
     job_id = submit(api, "1:2")
     reconciler.run_once()
+    [first] = heartbeat(api, b)
     clock.advance(8)
     heartbeat(api, a)
     clock.advance(5)  # b silent for 13 s > 10 s timeout
@@ -274,14 +299,17 @@ def test_a_silent_node_is_lost_and_the_job_goes_on_without_it(
     members = {m["node_name"]: m["state"] for m in d["attempts"][0]["members"]}
     assert members == {"a": "ACTIVE", "b": "LEFT"}
     assert "node_left" in kinds(api, job_id)
-    # b comes back: the old attempt is no longer its, and it does not rejoin that
-    # attempt (its agent fenced it); it stays free for the next one
+    # b comes back: its old membership is over; the job is below MAX, so b joins the
+    # running attempt again in place, with a new membership its agent runs afresh
     assert heartbeat(api, b) == []
     reconciler.run_once()
-    assert heartbeat(api, b) == []
-    assert "node_joined" not in kinds(api, job_id)
+    [again] = heartbeat(api, b)
+    assert again["attempt_id"] == d["attempts"][0]["id"]
+    assert again["member_id"] != first["member_id"]
+    assert again["membership_generation"] == 1
+    assert "node_joined" in kinds(api, job_id)
     nodes = {n["name"]: n for n in api.get("/api/v1/nodes").json()["items"]}
-    assert (nodes["b"]["state"], nodes["b"]["job_id"]) == ("ALIVE", None)
+    assert (nodes["b"]["state"], nodes["b"]["job_id"]) == ("ALIVE", job_id)
 
 
 def test_losing_every_node_makes_the_job_wait_and_a_new_attempt_follows(
@@ -459,6 +487,9 @@ def test_a_stopping_agent_leaves_at_once_and_a_new_node_takes_its_place(
     nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
     assert nodes == {"a": "LEFT", "b": "ALIVE"}
     assert "node_left" in kinds(api, job_id)
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    rendezvous = event("rendezvous", world_size=1, group_rank=0, group_world_size=1)
+    assert report(api, b, attempt_id, events=[rendezvous]).status_code == 200
     register(api, "c")
     reconciler.run_once()  # no clock advance: the place is free now
     detail = job(api, job_id)
@@ -472,3 +503,107 @@ def test_a_stopping_agent_leaves_at_once_and_a_new_node_takes_its_place(
     assert api.post("/api/v1/nodes/999/leave", json={}, headers=as_b).status_code == 403
     too_long = api.post(f"/api/v1/nodes/{b}/leave", json={"reason": "x" * 201})
     assert too_long.status_code == 422
+
+
+def test_the_survivors_are_told_at_once_when_a_member_is_dropped(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """The heartbeat reply's membership generation moves when the controller drops a
+    member (silence, leave, a restarted agent), whatever the workers say, so the
+    survivors re-form without waiting for a collective to fail."""
+    a, b, c = register(api, "a"), register(api, "b"), register(api, "c")
+    job_id = submit(api, "1:3")
+    reconciler.run_once()
+    [first] = heartbeat(api, a)
+    assert (first["membership_generation"], first["active_members"]) == (0, 3)
+    clock.advance(8)
+    heartbeat(api, a), heartbeat(api, b)
+    clock.advance(5)  # c silent for 13 s > 10 s
+    reconciler.run_once()
+    [told] = heartbeat(api, a)
+    assert (told["membership_generation"], told["active_members"]) == (1, 2)
+    assert told["member_id"] == first["member_id"]
+    assert api.post(f"/api/v1/nodes/{b}/leave", json={}).json() == {"left": True}
+    [told] = heartbeat(api, a)
+    assert (told["membership_generation"], told["active_members"]) == (2, 1)
+    d = job(api, job_id)
+    assert (d["state"], d["restart_count"], d["membership_changes"]) == ("RUNNING", 0, 2)
+    assert c not in {m["node_id"] for m in d["attempts"][0]["members"] if m["state"] == "ACTIVE"}
+
+
+def test_a_node_joining_before_the_first_rendezvous_is_no_membership_change(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    """A node that arrives just after the placement is part of the first world."""
+    a = register(api, "a")
+    job_id = submit(api, "1:3")
+    reconciler.run_once()
+    register(api, "b")
+    reconciler.run_once()
+    assert job(api, job_id)["membership_changes"] == 0
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    rendezvous = event("rendezvous", world_size=2, group_rank=0, group_world_size=2)
+    assert report(api, a, attempt_id, events=[rendezvous]).status_code == 200
+    register(api, "c")
+    reconciler.run_once()
+    d = job(api, job_id)
+    assert (d["membership_changes"], len(d["attempts"][0]["members"])) == (1, 3)
+
+
+def test_a_controller_that_stalled_does_not_lose_the_nodes_it_could_not_hear(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """A controller starved of CPU (a loaded host) records no heartbeat and runs no pass:
+    when it runs again, its nodes' silence counts from then, not from their last
+    recorded heartbeat; dropping a healthy node would end its attempt's workers."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "2:2")
+    reconciler.note_pass(clock())
+    reconciler.run_once()
+    clock.advance(13)  # neither a pass nor a heartbeat for 13 s > the 10 s timeout
+    reconciler.note_pass(clock())
+    reconciler.run_once()
+    assert {n["state"] for n in api.get("/api/v1/nodes").json()["items"]} == {"ALIVE"}
+    assert job(api, job_id)["membership_changes"] == 0
+    heartbeat(api, a), heartbeat(api, b)
+    for _ in range(2):
+        clock.advance(4)
+        heartbeat(api, a)
+        reconciler.note_pass(clock())
+        reconciler.run_once()
+    clock.advance(4)  # b silent for 12 s while the controller ran every 4 s
+    reconciler.note_pass(clock())
+    reconciler.run_once()
+    nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
+    assert nodes == {"a": "ALIVE", "b": "LOST"}
+
+
+def test_the_old_run_of_a_node_back_in_its_attempt_cannot_touch_its_new_membership(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """A node that froze, was dropped and joined again in place still has its old run
+    to stop: what that run reports (a crash of its thawed workers, its exit) belongs to
+    the old membership and is refused or recorded as stale."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    [old] = heartbeat(api, b)
+    clock.advance(8)
+    heartbeat(api, a)
+    clock.advance(5)
+    reconciler.run_once()  # b lost
+    heartbeat(api, b)
+    reconciler.run_once()  # b back, and joins again
+    [new] = heartbeat(api, b)
+    assert new["member_id"] != old["member_id"]
+    attempt_id = new["attempt_id"]
+    crash = event("worker_failed", global_rank=1, exitcode=1, cause="crash")
+    stale = report(api, b, attempt_id, member_id=old["member_id"], events=[crash])
+    assert stale.status_code == 409
+    stopped = {"outcome": "stopped", "clean": True, "exit_code": -15}
+    assert report(api, b, attempt_id, member_id=old["member_id"], exit=stopped).status_code == 200
+    d = job(api, job_id)
+    assert (d["state"], d["restart_count"]) == ("RUNNING", 0)
+    states = [m["state"] for m in d["attempts"][0]["members"] if m["node_name"] == "b"]
+    assert states == ["LEFT", "ACTIVE"]
+    assert report(api, b, attempt_id, member_id=new["member_id"], events=[]).status_code == 200

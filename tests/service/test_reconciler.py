@@ -14,6 +14,7 @@ from service.reconciler import (
     PlaceJob,
     WaitForNodes,
     plan,
+    stalled,
 )
 from service.spec import JobSpec, TaskSpec
 from service.states import JobState, NodeState
@@ -151,18 +152,22 @@ def test_running_job_below_max_takes_a_new_node() -> None:
     assert plan(T0, nodes, jobs, TIMEOUT) == [AddMembers(1, 101, (2, 3))]
 
 
-def test_a_node_that_left_an_attempt_is_not_added_back_to_it() -> None:
-    nodes = [node(1), node(2), node(3)]
-    running = JobView(
-        id=1,
-        state=JobState.RUNNING,
-        created_at=T0,
-        spec=spec((1, 3)),
-        attempt_id=101,
-        members=(1,),
-        former_members=(2,),
-    )
-    assert plan(T0, nodes, [running], TIMEOUT) == [AddMembers(1, 101, (3,))]
+def test_a_node_that_was_lost_and_is_back_joins_the_running_attempt_in_place() -> None:
+    """Lost at 11 s (its attempt goes on without it), back at 20 s: added again."""
+    running = job(1, (1, 2), JobState.RUNNING, members=(1, 2))
+    assert plan(T0 + timedelta(seconds=11), [node(1, seen=11.0), node(2)], [running], TIMEOUT) == [
+        MarkNodeLost(2, T0 + timedelta(seconds=1))
+    ]
+    shrunk = job(1, (1, 2), JobState.RUNNING, members=(1,))
+    back = [node(1, seen=20.0), node(2, seen=20.0)]
+    assert plan(T0 + timedelta(seconds=20), back, [shrunk], TIMEOUT) == [AddMembers(1, 101, (2,))]
+
+
+def test_a_late_pass_means_the_controller_stalled_not_its_nodes() -> None:
+    """Half the node timeout without a pass: the heartbeat handlers were starved too."""
+    assert not stalled(None, T0, TIMEOUT)
+    assert not stalled(T0, T0 + timedelta(seconds=5), TIMEOUT)
+    assert stalled(T0, T0 + timedelta(seconds=5.1), TIMEOUT)
 
 
 def test_pending_jobs_get_free_nodes_before_running_jobs_grow() -> None:

@@ -180,10 +180,10 @@ def test_a_node_leaving_and_joining_counts_as_membership_changes_not_restarts(
     reconciler.run_once()
     d = job(api, job_id)
     assert (d["state"], d["restart_count"], d["membership_changes"]) == ("RUNNING", 0, 1)
-    assert register(api, "b") == b  # b comes back, but not into the attempt it left
-    reconciler.run_once()
-    assert job(api, job_id)["membership_changes"] == 1
-    register(api, "c")
+    attempt_id = d["attempts"][0]["id"]
+    rendezvous = event("rendezvous", world_size=1, group_rank=0, group_world_size=1)
+    assert report(api, a, attempt_id, events=[rendezvous]).status_code == 200
+    assert register(api, "b") == b  # b comes back and joins the attempt again in place
     reconciler.run_once()
     d = job(api, job_id)
     assert (d["state"], d["restart_count"], d["membership_changes"]) == ("RUNNING", 0, 2)

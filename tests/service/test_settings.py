@@ -64,7 +64,7 @@ def test_a_bad_setting_names_its_variable_and_what_it_must_be(
 
 def test_everything_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> None:
     settings = ControllerSettings(data_dir=tmp_path)
-    assert settings.host == settings.store_host == "127.0.0.1"
+    assert settings.host == "127.0.0.1"
     assert settings.enrolment_token is None  # and no node can register until one is set
 
 

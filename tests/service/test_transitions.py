@@ -6,17 +6,21 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from cryptography.fernet import Fernet
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import Heartbeat, NodeRegister
+from service.auth import issue_node_token
 from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
 from service.models import Job, Node
 from service.nodes import heartbeat, leave, mark_lost, register_node
+from service.secrets import Keyring
 from service.settings import ControllerSettings
 from service.states import AttemptState, InvalidTransition, JobState, NodeState
 from service.transitions import transition
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+KEYRING = Keyring((Fernet.generate_key(),), "a test key")
 
 
 @pytest.fixture
@@ -157,11 +161,11 @@ def test_a_node_changes_state_only_along_its_lifecycle(
     node_id = _node(factory, NodeState.LOST)
     t1, t2, t3 = (T0 + timedelta(seconds=s) for s in (1, 2, 3))
     with transaction(factory) as session:  # a heartbeat brings a LOST node back
-        heartbeat(session, node_id, Heartbeat(), settings, t1)
+        heartbeat(session, node_id, Heartbeat(), settings, t1, KEYRING)
     node = _read_node(factory, node_id)
     assert (node.state, node.last_heartbeat_at) == (NodeState.ALIVE, t1)
     with transaction(factory) as session:  # a heartbeat of an ALIVE node keeps it ALIVE
-        heartbeat(session, node_id, Heartbeat(), settings, t2)
+        heartbeat(session, node_id, Heartbeat(), settings, t2, KEYRING)
     node = _read_node(factory, node_id)
     assert (node.state, node.last_heartbeat_at) == (NodeState.ALIVE, t2)
     with transaction(factory) as session:  # heard from at t2: not lost for silence before t1
@@ -171,9 +175,12 @@ def test_a_node_changes_state_only_along_its_lifecycle(
         assert not leave(session, node_id, "stopping", t3)  # LEFT already
         assert not mark_lost(session, node_id, seen_before=t3, now=t3)  # left, not silent
     assert _read_node(factory, node_id).state is NodeState.LEFT
-    again = NodeRegister(name="n1", address="10.0.0.2", slots=2, pid=2)
-    for _ in range(2):  # registering brings it back, and keeps it ALIVE
+    token: str | None = None
+    for _ in range(2):  # registering brings it back, and (with its token) keeps it ALIVE
+        again = NodeRegister(name="n1", address="10.0.0.2", slots=2, pid=2, node_token=token)
         with transaction(factory) as session:
-            assert register_node(session, again, t3).id == node_id
+            registered = register_node(session, again, t3)
+            assert registered.id == node_id
+            token = issue_node_token(session, registered)
         node = _read_node(factory, node_id)
         assert (node.state, node.address, node.slots) == (NodeState.ALIVE, "10.0.0.2", 2)

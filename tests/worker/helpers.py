@@ -3,6 +3,7 @@ that is never started."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from service.reconciler import Reconciler
+from tests.service.helpers import Cluster, heartbeat, register, submit
 from worker.attempt import Attempt
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
@@ -89,10 +92,29 @@ def unstarted_attempt(tmp_path: Path, settings: AgentSettings) -> Attempt:
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=1,
-        rendezvous=RendezvousConfig(endpoint="127.0.0.1:1", rdzv_id="job-3"),
+        rendezvous=RendezvousConfig(rdzv_id="job-3"),
         entrypoint=Entrypoint(module="unused"),
         snapshot_dir=str(tmp_path / "snapshots"),
     )
     attempt = Attempt(assignment, settings)
     attempt.events_path.parent.mkdir(parents=True)
     return attempt
+
+
+@dataclass
+class LiveController:
+    """The real controller app served over HTTP on loopback (without its reconciler
+    thread), ``api`` to call it as the tests' parties, and its reconciler to step."""
+
+    api: Cluster
+    url: str
+    reconciler: Reconciler
+
+
+def placed(live: LiveController, nodes: list[str], nnodes: str) -> tuple[str, list[str]]:
+    """A job placed on ``nodes``: its rendezvous id and each node's token."""
+    ids = [register(live.api, name) for name in nodes]
+    submit(live.api, nnodes)
+    live.reconciler.run_once()
+    [assignment] = heartbeat(live.api, ids[0])
+    return assignment["rendezvous"]["rdzv_id"], [live.api.node_tokens[i] for i in ids]

@@ -1,8 +1,8 @@
 """The node agent as a real process against a fake controller.
 
 The fake controller implements the three node endpoints and records what it
-receives. The rendezvous store is hosted here, in the test process, as it will
-be by the service (agents run with is_host=false).
+receives, and serves the launchers' rendezvous from memory (``contract.rendezvous``)
+as the service serves it from its database.
 """
 
 import os
@@ -32,6 +32,19 @@ from contract.protocol import (
     NodeRegistered,
     RendezvousConfig,
     ReportAccepted,
+)
+from contract.rendezvous import (
+    RendezvousState,
+    SetRendezvousState,
+    StoreAdd,
+    StoreCompareSet,
+    StoreCount,
+    StoreGet,
+    StoreSet,
+    StoreValue,
+    StoreValues,
+    decode,
+    encode,
 )
 from tests.helpers import wait_for
 from worker import procs
@@ -78,6 +91,63 @@ class FakeController:
         self.app.post("/api/v1/nodes/register")(self.register)
         self.app.post("/api/v1/nodes/{node_id}/heartbeat")(self.heartbeat)
         self.app.post("/api/v1/nodes/{node_id}/reports")(self.report)
+        self.states: dict[str, tuple[str, int]] = {}
+        self.keys: dict[str, dict[str, bytes]] = {}
+        rdzv = "/api/v1/rendezvous/{rdzv_id}"
+        self.app.get(rdzv + "/state")(self.get_state)
+        self.app.post(rdzv + "/state")(self.set_state)
+        self.app.post(rdzv + "/store/set")(self.store_set)
+        self.app.post(rdzv + "/store/get")(self.store_get)
+        self.app.post(rdzv + "/store/add")(self.store_add)
+        self.app.post(rdzv + "/store/compare_set")(self.store_compare_set)
+
+    def get_state(self, rdzv_id: str) -> RendezvousState:
+        with self.lock:
+            state, version = self.states.get(rdzv_id, (None, 0))
+            return RendezvousState(state=state, version=version)
+
+    def set_state(self, rdzv_id: str, body: SetRendezvousState) -> RendezvousState:
+        with self.lock:
+            state, version = self.states.get(rdzv_id, (None, 0))
+            if (body.version or 0) == version:
+                self.states[rdzv_id] = (body.state, version + 1)
+                return RendezvousState(state=body.state, version=version + 1, written=True)
+            return RendezvousState(state=state, version=version)
+
+    def store_set(self, rdzv_id: str, body: StoreSet) -> StoreCount:
+        with self.lock:
+            for item in body.items:
+                self.keys.setdefault(rdzv_id, {})[item.key] = decode(item.value)
+        return StoreCount(value=len(body.items))
+
+    def store_get(self, rdzv_id: str, body: StoreGet) -> StoreValues:
+        deadline = time.monotonic() + body.wait_s
+        while True:
+            with self.lock:
+                keys = self.keys.get(rdzv_id, {})
+                found = {k: encode(keys[k]) for k in body.keys if k in keys}
+            if len(found) == len(set(body.keys)) or time.monotonic() >= deadline:
+                return StoreValues(values=found, complete=len(found) == len(set(body.keys)))
+            time.sleep(0.05)
+
+    def store_add(self, rdzv_id: str, body: StoreAdd) -> StoreCount:
+        with self.lock:
+            keys = self.keys.setdefault(rdzv_id, {})
+            count = int(keys.get(body.key, b"0")) + body.amount
+            keys[body.key] = str(count).encode()
+        return StoreCount(value=count)
+
+    def store_compare_set(self, rdzv_id: str, body: StoreCompareSet) -> StoreValue:
+        with self.lock:
+            keys = self.keys.setdefault(rdzv_id, {})
+            current = keys.get(body.key)
+            expected, desired = decode(body.expected), decode(body.desired)
+            if current is None and expected:
+                return StoreValue(value=body.expected)
+            if current is None or current == expected:
+                keys[body.key] = desired
+                return StoreValue(value=body.desired)
+            return StoreValue(value=encode(current))
 
     def register(self, body: NodeRegister) -> NodeRegistered:
         assert body.name == NODE
@@ -137,16 +207,7 @@ def controller() -> Iterator[tuple[FakeController, str]]:
     thread.join(10)
 
 
-@pytest.fixture
-def store_endpoint() -> Iterator[str]:
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
-    yield f"127.0.0.1:{store.port}"
-    del store
-
-
-def _assignment(attempt_id: int, script: Path, endpoint: str, nproc: int) -> Assignment:
+def _assignment(attempt_id: int, script: Path, nproc: int) -> Assignment:
     return Assignment(
         attempt_id=attempt_id,
         job_id=100 + attempt_id,
@@ -155,7 +216,6 @@ def _assignment(attempt_id: int, script: Path, endpoint: str, nproc: int) -> Ass
         nproc_per_node=nproc,
         max_restarts=0,
         rendezvous=RendezvousConfig(
-            endpoint=endpoint,
             rdzv_id=f"job-{attempt_id}-{uuid.uuid4().hex[:6]}",
             last_call_timeout_s=1,
             join_timeout_s=60,
@@ -210,7 +270,6 @@ def cleanup(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
 def test_agent_runs_reports_and_stops_attempts(
     tmp_path: Path,
     controller: tuple[FakeController, str],
-    store_endpoint: str,
     cleanup: list[subprocess.Popen[bytes]],
 ) -> None:
     fake, url = controller
@@ -219,15 +278,17 @@ def test_agent_runs_reports_and_stops_attempts(
     long.write_text(_LONG)
     agent = _start_agent(tmp_path, url, "agent.log")
     cleanup.append(agent)
-    _run_scenario(fake, store_endpoint, short, long)
+    _run_scenario(fake, short, long)
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(20) == 0
+    # Jobs' users may pass through the agent's directory, not list it, nor read its ledger.
+    assert (tmp_path / "agent").stat().st_mode & 0o777 == 0o711
+    assert (tmp_path / "agent" / "pids.json").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_restarted_agent_kills_what_its_previous_life_left(
     tmp_path: Path,
     controller: tuple[FakeController, str],
-    store_endpoint: str,
     cleanup: list[subprocess.Popen[bytes]],
 ) -> None:
     fake, url = controller
@@ -236,7 +297,7 @@ def test_a_restarted_agent_kills_what_its_previous_life_left(
     first = _start_agent(tmp_path, url, "agent-1.log")
     cleanup.append(first)
     with fake.lock:
-        fake.assignments[4] = _assignment(4, long, store_endpoint, nproc=1)
+        fake.assignments[4] = _assignment(4, long, nproc=1)
     wait_for(
         "attempt 4's worker output",
         lambda: any("tick" in line.line for r in fake.of(4) for line in r.logs),
@@ -272,11 +333,11 @@ def _ledger_text(tmp_path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) -> None:
+def _run_scenario(fake: FakeController, short: Path, long: Path) -> None:
     # 1. A short attempt: its output comes back line by line with local ranks,
     #    then the exit report; it is not started twice.
     with fake.lock:
-        fake.assignments[1] = _assignment(1, short, endpoint, nproc=2)
+        fake.assignments[1] = _assignment(1, short, nproc=2)
     wait_for("attempt 1 exit", lambda: any(r.exit for r in fake.of(1)))
     reports = fake.of(1)
     logs = [(line.local_rank, line.stream, line.line) for r in reports for line in r.logs]
@@ -294,8 +355,8 @@ def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) 
 
     # 2. Two long attempts at once; one is withdrawn, the other gets fenced (409).
     with fake.lock:
-        fake.assignments[2] = _assignment(2, long, endpoint, nproc=2)
-        fake.assignments[3] = _assignment(3, long, endpoint, nproc=1)
+        fake.assignments[2] = _assignment(2, long, nproc=2)
+        fake.assignments[3] = _assignment(3, long, nproc=1)
 
     def ticking(attempt_id: int) -> bool:
         return any("tick" in line.line for r in fake.of(attempt_id) for line in r.logs)
@@ -304,6 +365,12 @@ def _run_scenario(fake: FakeController, endpoint: str, short: Path, long: Path) 
     wait_for("attempt 3 output", lambda: ticking(3))
     # launcher + workers + their new-session grandchildren
     wait_for("the whole tree of attempt 2", lambda: len(_processes_of(2)) >= 5, 20)
+    # The node's token reaches the launcher in a file, removed once read, before any
+    # worker starts; no process of the attempt has it in its environment or command line.
+    assert not (short.parent / "agent" / "attempts" / "2" / "node-token").exists()
+    for proc in _processes_of(2):
+        assert "rln_one" not in " ".join(proc.cmdline())
+        assert "rln_one" not in proc.environ().values()
 
     def heartbeat_counts_the_tree() -> bool:
         with fake.lock:

@@ -10,7 +10,7 @@ def _assignment(attempt_id: int) -> Assignment:
         max_nodes=2,
         nproc_per_node=1,
         max_restarts=0,
-        rendezvous=RendezvousConfig(endpoint="127.0.0.1:1", rdzv_id=f"r{attempt_id}"),
+        rendezvous=RendezvousConfig(rdzv_id=f"r{attempt_id}"),
         entrypoint=Entrypoint(module="train"),
         snapshot_dir="/tmp/s",
     )
@@ -29,13 +29,13 @@ def test_stops_what_is_held_and_no_longer_assigned() -> None:
 
 
 def test_empty_reply_stops_everything() -> None:
-    plan = plan_reconcile([], held={5, 4}, finished={1})
+    plan = plan_reconcile([], held={5, 4}, finished={(1, None)})
     assert plan.start == ()
     assert plan.stop == (4, 5)
 
 
 def test_finished_attempts_are_never_started_again() -> None:
-    plan = plan_reconcile([_assignment(1), _assignment(2)], held=set(), finished={1})
+    plan = plan_reconcile([_assignment(1), _assignment(2)], held=set(), finished={(1, None)})
     assert [a.attempt_id for a in plan.start] == [2]
 
 
@@ -48,3 +48,22 @@ def test_duplicate_assignments_start_once() -> None:
 def test_nothing_to_do_when_in_sync() -> None:
     plan = plan_reconcile([_assignment(1)], held={1}, finished=set())
     assert plan.start == () and plan.stop == ()
+
+
+def _membership(attempt_id: int, member_id: int) -> Assignment:
+    return _assignment(attempt_id).model_copy(update={"member_id": member_id})
+
+
+def test_a_node_back_in_an_attempt_it_left_runs_it_again_with_its_new_membership() -> None:
+    finished = {(1, 10)}  # its first run of attempt 1 (membership 10) ended
+    plan = plan_reconcile([_membership(1, 11)], held=set(), finished=finished)
+    assert [(a.attempt_id, a.member_id) for a in plan.start] == [(1, 11)]
+    assert plan_reconcile([_membership(1, 10)], held=set(), finished=finished).start == ()
+
+
+def test_an_old_run_still_held_is_stopped_before_the_new_membership_starts() -> None:
+    """A node that thawed still runs its old part: that one goes first."""
+    plan = plan_reconcile([_membership(1, 11)], held={1}, finished=set(), held_members={1: 10})
+    assert (plan.start, plan.stop) == ((), (1,))
+    plan = plan_reconcile([_membership(1, 11)], held={1}, finished=set(), held_members={1: 11})
+    assert (plan.start, plan.stop) == ((), ())

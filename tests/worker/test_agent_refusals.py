@@ -115,10 +115,10 @@ def test_a_refused_report_stops_the_attempt_and_says_why(
 def test_an_agent_with_a_wrong_enrolment_token_exits_non_zero_and_says_why(
     tmp_path: Path,
 ) -> None:
-    cluster = LocalCluster(data_dir=tmp_path, port=free_port(), store_port=free_port())
+    cluster = LocalCluster(data_dir=tmp_path, port=free_port())
     try:
         cluster.start_controller()
-        work = tmp_path / "agents" / "wrong"
+        work = cluster.agent_dir("wrong")
         args = ["agent", "--controller", cluster.url, "--name", "wrong", "--work-dir", str(work)]
         cluster.spawn("wrong", args, {"RELAUNCH_AGENT_ENROLMENT_TOKEN": "not-the-controllers"})
         # A bound on liveness: the agent must end, not retry for ever.

@@ -17,9 +17,12 @@ from worker.attempt import (
     build_torchrun_args,
     parse_console_line,
     working_dir_for,
+    write_private,
 )
 from worker.outbox import EventsTail, LogOutbox
 from worker.settings import AgentSettings
+
+CTL = "http://ctl:8080"
 
 
 def _assignment(**overrides: object) -> Assignment:
@@ -31,7 +34,6 @@ def _assignment(**overrides: object) -> Assignment:
         "nproc_per_node": 2,
         "restart": {"max_restarts": 5},
         "rendezvous": RendezvousConfig(
-            endpoint="10.0.0.1:29400",
             rdzv_id="job-3-attempt-12",
             last_call_timeout_s=2,
             join_timeout_s=600,
@@ -47,15 +49,17 @@ def _assignment(**overrides: object) -> Assignment:
 
 
 def test_torchrun_args_for_a_module() -> None:
-    args = build_torchrun_args(_assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"))
+    args = build_torchrun_args(
+        _assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"), controller_url=CTL
+    )
     assert args == [
         "--nnodes", "1:4",
         "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "10.0.0.1:29400",
+        "--rdzv-backend", "relaunch",
+        "--rdzv-endpoint", "http://ctl:8080",
         "--rdzv-id", "job-3-attempt-12",
         "--rdzv-conf",
-        "is_host=false,last_call_timeout=2,join_timeout=600,"
+        "last_call_timeout=2,join_timeout=600,"
         "keep_alive_interval=2,keep_alive_max_attempt=3",
         "--max-restarts", "5",
         "--monitor-interval", "0.2",
@@ -70,7 +74,9 @@ def test_a_jobs_env_reaches_workers_by_environment_never_the_command_line(
     tmp_path: Path,
 ) -> None:
     job = _assignment(env={"HF_TOKEN": "hf_s3cret"})
-    args = build_torchrun_args(job, local_addr="10.0.0.7", log_dir=Path("/w/logs"))
+    args = build_torchrun_args(
+        job, local_addr="10.0.0.7", log_dir=Path("/w/logs"), controller_url=CTL
+    )
     assert not any("hf_s3cret" in a for a in args)
     settings = AgentSettings(enrolment_token="t", controller_url="http://c:1", work_dir=tmp_path)
     env = build_launcher_env(job, settings=settings, events_file=tmp_path / "e", base_env={})
@@ -80,7 +86,9 @@ def test_a_jobs_env_reaches_workers_by_environment_never_the_command_line(
 def test_torchrun_args_accepted_by_torchrun_parser() -> None:
     from torch.distributed.run import parse_args
 
-    args = build_torchrun_args(_assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"))
+    args = build_torchrun_args(
+        _assignment(), local_addr="10.0.0.7", log_dir=Path("/w/logs"), controller_url=CTL
+    )
     ns = parse_args(args)
     assert ns.module and ns.training_script == "worker.bootstrap"
     assert ns.training_script_args == ["-m", "pkg.train", "--epochs", "3"]
@@ -89,7 +97,9 @@ def test_torchrun_args_accepted_by_torchrun_parser() -> None:
 
 def test_torchrun_args_for_a_script() -> None:
     entry = Entrypoint(script="/code/train.py", args=["-x"])
-    args = build_torchrun_args(_assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"))
+    args = build_torchrun_args(
+        _assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"), controller_url=CTL
+    )
     assert args[-4:] == ["-m", "worker.bootstrap", "/code/train.py", "-x"]
 
 
@@ -98,7 +108,9 @@ def test_torchrun_args_for_a_script() -> None:
 )
 def test_entrypoint_needs_exactly_one(entry: Entrypoint) -> None:
     with pytest.raises(ValueError, match="exactly one"):
-        build_torchrun_args(_assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"))
+        build_torchrun_args(
+            _assignment(entrypoint=entry), local_addr="a", log_dir=Path("/l"), controller_url=CTL
+        )
 
 
 def test_launcher_env(tmp_path: Path) -> None:
@@ -118,9 +130,11 @@ def test_launcher_env(tmp_path: Path) -> None:
         "RELAUNCH_ENROLMENT_TOKEN": "node-secret",
         "RELAUNCH_TOKEN": "rlu_user",
         "DATABASE_URL": "postgresql://u:pw@db/relaunch",
+        "RELAUNCH_SECRETS_KEYS": "the-controllers-key",
+        "RELAUNCH_SECRETS_KEY_FILE": "/etc/relaunch/secrets.key",
     }
     env = build_launcher_env(
-        _assignment(snapshot_every_steps=10, attempt_number=2),
+        _assignment(snapshot_every_steps=10, attempt_number=2, worker_token="rlw_worker"),
         settings=settings,
         events_file=tmp_path / "ev.jsonl",
         base_env=base,
@@ -132,6 +146,7 @@ def test_launcher_env(tmp_path: Path) -> None:
     # The job's code never sees the node's credentials or the controller's database.
     assert not {k for k in env if k.startswith("RELAUNCH_AGENT_")}
     assert not {"RELAUNCH_ENROLMENT_TOKEN", "RELAUNCH_TOKEN", "DATABASE_URL"} & set(env)
+    assert not {k for k in env if k.startswith("RELAUNCH_SECRETS_")}
     assert "node-secret" not in env.values()
     assert env["RELAUNCH_JOB_ID"] == "3"
     assert env["RELAUNCH_ATTEMPT_ID"] == "12"  # ours wins over assignment.env
@@ -144,7 +159,8 @@ def test_launcher_env(tmp_path: Path) -> None:
     assert env["RELAUNCH_EVENTS_FILE"] == str(tmp_path / "ev.jsonl")
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "4"
-    assert env["RELAUNCH_STORE_ENDPOINT"] == "10.0.0.1:29400"
+    assert env["RELAUNCH_CONTROLLER_URL"] == "http://c:1"
+    assert env["RELAUNCH_WORKER_TOKEN"] == "rlw_worker"  # the attempt's, for the fence
     assert env["GLOO_SOCKET_IFNAME"] == "lo"  # the interface of the agent's 127.0.0.1
     assert env["PYTHONUNBUFFERED"] == "1"
 
@@ -275,10 +291,11 @@ def test_workers_run_in_the_jobs_working_dir_else_in_its_shared_snapshot_dir(
     given = _assignment(working_dir="/data/runs/exp1")
     assert working_dir_for(given, attempt_dir) == Path("/data/runs/exp1")
     assert working_dir_for(_assignment(), attempt_dir) == Path("/snap/3")
-    # A URL is no directory the nodes share: each node's attempt directory, absolute.
+    # A URL is no directory the nodes share: a directory of the node's attempt, absolute
+    # (the attempt's own is root's; this one the job's).
     monkeypatch.chdir(tmp_path)
     on_s3 = _assignment(snapshot_dir="s3://bucket/relaunch/job-3")
-    assert working_dir_for(on_s3, Path("attempts/12")) == attempt_dir
+    assert working_dir_for(on_s3, Path("attempts/12")) == attempt_dir / "work"
     relative = _assignment(snapshot_dir="snaps/job-3")
     assert working_dir_for(relative, attempt_dir) == tmp_path / "snaps" / "job-3"
 
@@ -330,6 +347,51 @@ def test_the_launcher_starts_in_the_working_dir_with_absolute_paths(
     assert attempt.exit is not None and not attempt.exit.fatal  # a plain start failure
 
 
+def test_the_launcher_is_told_the_hang_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[list[str]] = []
+
+    def popen(command: list[str], **kwargs: object) -> None:
+        commands.append(command)
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(attempt_module.subprocess, "Popen", popen)
+    settings = AgentSettings(enrolment_token="t", controller_url="http://c:1", work_dir=tmp_path)
+    for fields in (
+        {"hang_timeout_s": 600, "hang_timeout_adaptive": True},
+        {"hang_timeout_s": 45},
+        {"hang_timeout_s": None},
+    ):
+        Attempt(_assignment(**fields), settings).start()
+    adaptive, fixed, off = (c[: c.index("--")] for c in commands)
+    assert adaptive[adaptive.index("--hang-timeout-s") + 1] == "600.0"
+    assert "--hang-timeout-adaptive" in adaptive
+    assert fixed[fixed.index("--hang-timeout-s") + 1] == "45.0"
+    assert "--hang-timeout-adaptive" not in fixed
+    assert "--hang-timeout-s" not in off and "--hang-timeout-adaptive" not in off
+
+
+def test_workers_get_the_collective_timeout_and_nccl_error_handling(tmp_path: Path) -> None:
+    settings = AgentSettings(enrolment_token="t", controller_url="http://c:1", work_dir=tmp_path)
+    env = build_launcher_env(
+        _assignment(collective_timeout_s=120.0),
+        settings=settings,
+        events_file=tmp_path / "e",
+        base_env={},
+    )
+    assert env["RELAUNCH_COLLECTIVE_TIMEOUT_S"] == "120"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    own = build_launcher_env(
+        _assignment(env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}),
+        settings=settings,
+        events_file=tmp_path / "e",
+        base_env={},
+    )
+    assert own["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the job's choice stands
+    assert "RELAUNCH_COLLECTIVE_TIMEOUT_S" not in own  # none sent: the Trainer's default
+
+
 def test_a_missing_working_dir_fails_the_attempt_as_fatal_without_a_launcher(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -350,3 +412,12 @@ def test_a_missing_working_dir_fails_the_attempt_as_fatal_without_a_launcher(
     attempt.start()
     assert attempt.exit is not None and attempt.exit.fatal
     assert attempt.exit.message == f"working_dir {a_file} is not a directory on node node-a"
+
+
+def test_a_private_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "node-token"
+    path.write_text("old")
+    path.chmod(0o644)
+    write_private(path, "rln_secret")
+    assert path.read_text() == "rln_secret"
+    assert path.stat().st_mode & 0o777 == 0o600

@@ -13,6 +13,7 @@ import pytest
 
 from contract.events import EventKind
 from contract.protocol import RestartPolicy
+from worker.hang import FLOOR_S, HangRule
 from worker.launch import Supervision
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
@@ -103,7 +104,7 @@ def test_a_worker_that_stops_beating_is_dumped_then_killed(tmp_path: Path) -> No
     stuck = Worker(local_rank=0, global_rank=2, id=hung.pid)
     clock = [1000.0]
     supervision, path = _supervision(
-        tmp_path, hang_timeout_s=5, progress_dir=progress, clock=lambda: clock[0]
+        tmp_path, hang_rule=HangRule(5), progress_dir=progress, clock=lambda: clock[0]
     )
     assert supervision.find_hung([stuck, busy]) == []  # neither has beaten yet
     for worker, at in ((stuck, 996.0), (busy, 999.0)):
@@ -112,7 +113,7 @@ def test_a_worker_that_stops_beating_is_dumped_then_killed(tmp_path: Path) -> No
     assert supervision.find_hung([stuck, busy]) == []  # 4 s idle is not yet a hang
     clock[0] = 1001.5
     found = supervision.find_hung([stuck, busy])
-    assert [w for w, _ in found] == [stuck]
+    assert [w for w, _, _ in found] == [stuck]
 
     supervision.end_hung([stuck], found)
     _, stderr = hung.communicate(timeout=10)
@@ -124,6 +125,48 @@ def test_a_worker_that_stops_beating_is_dumped_then_killed(tmp_path: Path) -> No
     supervision.events.close()
     (hang,) = [e["data"] for e in _emitted(path) if e["kind"] == EventKind.HANG]
     assert hang["global_rank"] == 2 and hang["idle_s"] == 5.5
+    assert (hang["timeout_s"], hang["rule"]) == (5, "fixed")
+
+
+def test_the_default_timeout_follows_the_beats_the_launcher_sees(tmp_path: Path) -> None:
+    """Sub-second steps: hung after the floor, not the cap; a restart starts over."""
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    beats = progress_file(progress, 0)
+    worker = Worker(local_rank=0, global_rank=0, id=4242)
+    clock = [1000.0]
+    supervision, _ = _supervision(
+        tmp_path,
+        hang_rule=HangRule(600, adaptive=True),
+        progress_dir=progress,
+        clock=lambda: clock[0],
+    )
+
+    def beat_and_pass(at: float) -> list[Any]:
+        beats.touch()
+        os.utime(beats, (at, at))
+        clock[0] = at + 0.1
+        return supervision.find_hung([worker])
+
+    for i in range(3):  # too few beats to know the rhythm: the cap holds
+        assert beat_and_pass(1000.0 + i * 0.3) == []
+    clock[0] = 1000.6 + FLOOR_S + 1
+    assert supervision.find_hung([worker]) == []
+    for i in range(3, 20):
+        assert beat_and_pass(1000.0 + i * 0.3) == []
+    last = 1000.0 + 19 * 0.3
+    clock[0] = last + FLOOR_S - 1
+    assert supervision.find_hung([worker]) == []
+    clock[0] = last + FLOOR_S + 1
+    [(found, idle, timeout)] = supervision.find_hung([worker])
+    assert found is worker and idle > FLOOR_S
+    assert (timeout.seconds, timeout.rule) == (FLOOR_S, "adaptive")
+
+    supervision.clear_progress([0])  # a new rendezvous round: the beats start over
+    assert not beats.exists()
+    assert beat_and_pass(2000.0) == []
+    clock[0] = 2000.0 + FLOOR_S + 1
+    assert supervision.find_hung([worker]) == []  # one beat again: the cap holds
 
 
 def test_restart_back_off_doubles_up_to_the_cap() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,11 +47,36 @@ def test_reads_torchrun_variables() -> None:
         ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE"),
         ({"TORCHELASTIC_RESTART_COUNT": "-1"}, "TORCHELASTIC_RESTART_COUNT"),
         ({"MASTER_PORT": "http"}, "MASTER_PORT"),
+        ({"RELAUNCH_COLLECTIVE_TIMEOUT_S": "soon"}, "RELAUNCH_COLLECTIVE_TIMEOUT_S"),
+        ({"RELAUNCH_COLLECTIVE_TIMEOUT_S": "0"}, "RELAUNCH_COLLECTIVE_TIMEOUT_S"),
+        ({"RELAUNCH_COLLECTIVE_TIMEOUT_S": "inf"}, "RELAUNCH_COLLECTIVE_TIMEOUT_S"),
     ],
 )
 def test_bad_variables_are_named(override: dict[str, str], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         DistEnv.from_environ({**TORCHRUN_ENV, **override})
+
+
+def test_the_collective_timeout_comes_from_the_job_spec_through_the_environment() -> None:
+    assert DistEnv.from_environ(TORCHRUN_ENV).collective_timeout == timedelta(minutes=5)
+    env = DistEnv.from_environ({**TORCHRUN_ENV, "RELAUNCH_COLLECTIVE_TIMEOUT_S": "42.5"})
+    assert env.collective_timeout == timedelta(seconds=42.5)
+
+
+def test_the_process_group_waits_the_collective_timeout() -> None:
+    """What the Trainer does: ``init_distributed(env)`` with the env it read."""
+    init_distributed(DistEnv.from_environ({"RELAUNCH_COLLECTIVE_TIMEOUT_S": "42"}))
+    try:
+        assert group_timeout() == timedelta(seconds=42)
+    finally:
+        shutdown_distributed()
+
+
+def group_timeout() -> timedelta:
+    group = dist.distributed_c10d._get_default_group()
+    backend = group._get_backend(torch.device("cpu"))
+    timeout: timedelta = backend.options._timeout
+    return timeout
 
 
 def test_single_process_group_without_launcher() -> None:

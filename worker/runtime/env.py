@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from contract.protocol import COLLECTIVE_TIMEOUT_ENV
+
 logger = logging.getLogger(__name__)
 
 RANK_ENV = "RANK"
@@ -27,7 +29,22 @@ RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
 
+# The process group's timeout when the launcher gives none (``JobSpec.collective_timeout_s``
+# reaches workers as RELAUNCH_COLLECTIVE_TIMEOUT_S); torch's own is 30 min for gloo.
 DEFAULT_PG_TIMEOUT = timedelta(minutes=5)
+
+
+def _timeout_var(environ: Mapping[str, str], name: str, default: timedelta) -> timedelta:
+    raw = (environ.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"environment variable {name} must be a positive number, got {raw!r}")
+    return timedelta(seconds=seconds)
 
 
 def _int_var(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -45,9 +62,10 @@ class DistEnv:
     """Who this worker is, as the launcher said.
 
     Holds: ``0 <= rank < world_size``, ``0 <= local_rank < local_world_size``,
-    ``restart_count >= 0``. ``launched`` is true when ``WORLD_SIZE`` was set,
-    i.e. a launcher (torchrun) started this process and expects a process group
-    built from ``MASTER_ADDR``/``MASTER_PORT``.
+    ``restart_count >= 0``, ``collective_timeout > 0``. ``launched`` is true when
+    ``WORLD_SIZE`` was set, i.e. a launcher (torchrun) started this process and
+    expects a process group built from ``MASTER_ADDR``/``MASTER_PORT``.
+    ``collective_timeout`` is what one collective may wait for its peers.
     """
 
     rank: int = 0
@@ -59,6 +77,7 @@ class DistEnv:
     master_addr: str | None = None
     master_port: int | None = None
     launched: bool = False
+    collective_timeout: timedelta = DEFAULT_PG_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -75,6 +94,8 @@ class DistEnv:
             raise ValueError(f"{GROUP_RANK_ENV} must be >= 0, got {self.group_rank}")
         if self.restart_count < 0:
             raise ValueError(f"{RESTART_COUNT_ENV} must be >= 0, got {self.restart_count}")
+        if self.collective_timeout <= timedelta(0):
+            raise ValueError(f"the collective timeout must be > 0, got {self.collective_timeout}")
 
     @property
     def is_rank_zero(self) -> bool:
@@ -100,6 +121,7 @@ class DistEnv:
             master_addr=environ.get(MASTER_ADDR_ENV) or None,
             master_port=_int_var(environ, MASTER_PORT_ENV, 0) if master_port_raw else None,
             launched=launched,
+            collective_timeout=_timeout_var(environ, COLLECTIVE_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT),
         )
 
 
@@ -110,16 +132,21 @@ def device_for(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(env: DistEnv, timeout: timedelta = DEFAULT_PG_TIMEOUT) -> torch.device:
+def init_distributed(env: DistEnv, timeout: timedelta | None = None) -> torch.device:
     """Join the default process group and return the device this rank computes on.
 
     CUDA: nccl, after ``torch.cuda.set_device(local_rank)``. CPU: gloo. Under a
     launcher (``env.launched``) the group comes from the ``env://`` variables;
     without one a private single-process gloo group is built on a loopback
     TCPStore with a free port, so the same DDP code runs either way.
-    ``timeout`` bounds every collective: a peer that froze is noticed after it.
+    ``timeout`` (default: ``env.collective_timeout``) bounds every collective: a
+    peer that froze is noticed after it. gloo raises in the waiting collective;
+    NCCL's watchdog tears the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set
+    by the node agent unless the job's env sets it).
     Raises ``RuntimeError`` if a process group already exists.
     """
+    if timeout is None:
+        timeout = env.collective_timeout
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialized")
     device = device_for(env)
@@ -139,12 +166,14 @@ def init_distributed(env: DistEnv, timeout: timedelta = DEFAULT_PG_TIMEOUT) -> t
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     logger.info(
-        "joined process group: backend=%s rank=%d world_size=%d device=%s restart_count=%d",
+        "joined process group: backend=%s rank=%d world_size=%d device=%s restart_count=%d "
+        "collective timeout=%gs",
         backend,
         env.rank,
         env.world_size,
         device,
         env.restart_count,
+        timeout.total_seconds(),
     )
     return device
 

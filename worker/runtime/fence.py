@@ -4,12 +4,15 @@ A rank 0 that was paused (SIGSTOP) or cut off can come back after the job has
 re-formed without it, with a new rank 0 that writes snapshots of its own. The
 stale one must not commit: its files would shadow the live lineage's.
 
-Every rank 0 takes a token when it starts: ``add(key, 1)`` on the controller's
-store (``STORE_ENDPOINT_ENV``), which the controller keeps up while nodes come
-and go. Before each commit it reads the counter again (``add(key, 0)``); a
-different value means a newer rank 0 exists, and the write is refused with
-``SnapshotFenced``. A rank 0 that cannot reach the store cannot prove it is
-the newest, and is refused too. The check and the rename are two steps, so a
+Every rank 0 takes a token when it starts: the next number of its job's writer
+count, kept by the controller (``CONTROLLER_URL_ENV``), which the worker proves
+it may use with its attempt's worker token (``WORKER_TOKEN_ENV``, valid for its
+own job only). Before each commit it reads the newest number again; a different
+value means a newer rank 0 exists, and the write is refused with
+``SnapshotFenced``. A rank 0 whose token is no longer accepted (its node left
+the attempt), or that cannot reach the controller for ``FENCE_RETRY_S`` (a
+controller restart is waited out), cannot prove it is the newest, and is
+refused too. The check and the rename are two steps, so a
 writer paused exactly between them is not stopped; every other pause is.
 """
 
@@ -17,43 +20,95 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
+import time
 from typing import Protocol
 
-from contract.protocol import JOB_ID_ENV, STORE_ENDPOINT_ENV
+import httpx
+
+from contract.protocol import CONTROLLER_URL_ENV, JOB_ID_ENV, WORKER_TOKEN_ENV
+from contract.rendezvous import SnapshotWriter
 
 logger = logging.getLogger(__name__)
 
-STORE_TIMEOUT_S = 10.0
+FENCE_TIMEOUT_S = 10.0
+FENCE_RETRY_S = 60.0
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
 
 
 class SnapshotFenced(RuntimeError):
-    """A newer rank 0 owns the job's snapshots (or the store cannot be reached)."""
+    """A newer rank 0 owns the job's snapshots (or the controller cannot vouch for this one)."""
 
 
-class _Counter(Protocol):
-    def add(self, key: str, value: int) -> int: ...
+class WriterCounter(Protocol):
+    def take(self) -> int:
+        """The job's next writer token."""
+        ...
+
+    def current(self) -> int:
+        """The job's newest writer token."""
+        ...
 
 
-def fence_key(job_id: str) -> str:
-    return f"relaunch/job{job_id}/snapshot_writer"
+class ControllerCounter:
+    """The job's writer count at the controller, called with the attempt's worker token."""
+
+    def __init__(
+        self,
+        controller_url: str,
+        job_id: int,
+        worker_token: str,
+        *,
+        timeout_s: float = FENCE_TIMEOUT_S,
+        retry_s: float = FENCE_RETRY_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._path = f"/api/v1/workers/jobs/{job_id}/snapshot-writer"
+        self._retry_s = retry_s
+        self._http = httpx.Client(
+            base_url=controller_url.rstrip("/"),
+            timeout=timeout_s,
+            headers={"authorization": f"Bearer {worker_token}"},
+            transport=transport or httpx.HTTPTransport(retries=3),
+        )
+
+    def take(self) -> int:
+        return self._call("POST")
+
+    def current(self) -> int:
+        return self._call("GET")
+
+    def _call(self, method: str) -> int:
+        """The token the controller answers; asked again while it does not answer (or
+        answers 5xx) for up to ``retry_s``. A refusal (4xx) raises at once."""
+        deadline = time.monotonic() + self._retry_s
+        delay = 0.2
+        while True:
+            try:
+                response = self._http.request(method, self._path)
+                if response.status_code not in _RETRY_STATUS or time.monotonic() > deadline:
+                    response.raise_for_status()
+                    return SnapshotWriter.model_validate_json(response.content).token
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
 
 class WriterToken:
     """This rank 0's place in the job's sequence of snapshot writers."""
 
-    def __init__(self, store: _Counter, key: str) -> None:
-        self._store = store
-        self._key = key
-        self.token = int(store.add(key, 1))
-        logger.info("snapshot writer token %d (%s)", self.token, key)
+    def __init__(self, counter: WriterCounter) -> None:
+        self._counter = counter
+        self.token = int(counter.take())
+        logger.info("snapshot writer token %d", self.token)
 
     def check(self) -> None:
         """Raise ``SnapshotFenced`` unless this is still the newest writer."""
         try:
-            current = int(self._store.add(self._key, 0))
-        except Exception as exc:  # timeout, refused, reset: no proof of ownership
-            raise SnapshotFenced(f"cannot reach the store to check the token: {exc}") from exc
+            current = int(self._counter.current())
+        except Exception as exc:  # unreachable, timeout, refused token: no proof of ownership
+            raise SnapshotFenced(f"cannot check the writer token at the controller: {exc}") from exc
         if current != self.token:
             raise SnapshotFenced(
                 f"a newer rank 0 (writer {current}) owns the snapshots; this one is writer "
@@ -62,19 +117,10 @@ class WriterToken:
 
 
 def writer_token_from_environ() -> WriterToken | None:
-    """A token on the store named by the environment; None outside relaunch."""
-    endpoint = os.environ.get(STORE_ENDPOINT_ENV)
+    """A token of the job the environment names; None outside relaunch."""
+    url = os.environ.get(CONTROLLER_URL_ENV)
+    token = os.environ.get(WORKER_TOKEN_ENV)
     job_id = os.environ.get(JOB_ID_ENV)
-    if not endpoint or not job_id:
+    if not url or not token or not job_id:
         return None
-    from torch.distributed import TCPStore
-
-    host, _, port = endpoint.rpartition(":")
-    store = TCPStore(
-        host,
-        int(port),
-        is_master=False,
-        timeout=timedelta(seconds=STORE_TIMEOUT_S),
-        wait_for_workers=False,
-    )
-    return WriterToken(store, fence_key(job_id))
+    return WriterToken(ControllerCounter(url, int(job_id), token))

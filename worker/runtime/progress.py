@@ -6,11 +6,19 @@ the launcher on the node reads the file's age, and a worker that has beaten
 once and then not for ``hang_timeout_s`` is declared hung (see
 ``worker.launch``). Outside relaunch, or in a script that never calls it,
 ``beat`` does nothing and no hang is ever declared.
+
+``beating()`` beats from a thread while a block runs: for a pause that is progress
+although no step is made (an evaluation, a long save, a wait for rank 0's save).
+Inside it a hang of this worker goes unseen; a collective that waits for a frozen
+peer still ends at the process group's timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from contract.protocol import PROGRESS_DIR_ENV
@@ -41,3 +49,23 @@ def beat() -> None:
         os.utime(_path)
     except FileNotFoundError:  # the launcher cleared it for a new round
         _path.touch()
+
+
+@contextlib.contextmanager
+def beating(interval_s: float = 1.0) -> Iterator[None]:
+    """Beat every ``interval_s`` seconds from a daemon thread until the block ends."""
+    done = threading.Event()
+
+    def _beat_until_done() -> None:
+        while not done.wait(interval_s):
+            beat()
+
+    beat()
+    thread = threading.Thread(target=_beat_until_done, name="progress-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        beat()

@@ -53,7 +53,7 @@ from worker.runtime.model_prep import (
     prepare_model,
     seed_everything,
 )
-from worker.runtime.progress import beat
+from worker.runtime.progress import beat, beating
 from worker.runtime.sampler import ResumableDistributedSampler, steps_left
 from worker.runtime.saver import SnapshotSaver
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
@@ -193,17 +193,24 @@ class Trainer:
             if self.rank == 0:
                 logger.info("stopping after step %d as asked (stop_after_steps)", self.step)
             return TrainResult(self.step, self.epoch, self._last_loss, False, None)
-        self._save_snapshot(wait=True)
-        loss = (
-            mean_across_ranks(self._last_loss, self.device) if self._last_loss is not None else None
-        )
-        output = cfg.final_output_path
-        if self.rank == 0:
-            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            atomic_torch_save(state, output, self._check_writer)
-            self.events.emit(TrainingFinished(step=self.step, loss=loss, output_path=str(output)))
-            logger.info("finished at step %d, loss %s; model in %s", self.step, loss, output)
-        dist.barrier()
+        # The last save and the final model can take long; every rank waits for rank 0
+        # here without stepping. The collectives are bounded by the collective timeout.
+        with beating():
+            self._save_snapshot(wait=True)
+            loss = (
+                mean_across_ranks(self._last_loss, self.device)
+                if self._last_loss is not None
+                else None
+            )
+            output = cfg.final_output_path
+            if self.rank == 0:
+                state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+                atomic_torch_save(state, output, self._check_writer)
+                self.events.emit(
+                    TrainingFinished(step=self.step, loss=loss, output_path=str(output))
+                )
+                logger.info("finished at step %d, loss %s; model in %s", self.step, loss, output)
+            dist.barrier()
         return TrainResult(self.step, self.epoch, loss, True, output)
 
     def _check_writer(self) -> None:
@@ -325,14 +332,15 @@ class Trainer:
     def _save_snapshot(self, wait: bool = False) -> None:
         """Rank 0 copies the state after ``self.step`` and hands it to the saver; no
         collectives in here. With ``wait``, the save is on storage when this returns."""
-        if self._last_snapshot_step != self.step:
-            if self.rank == 0:
-                self._submit_snapshot(wait)
-            else:
-                self._last_snapshot_step = self.step
-        if wait and self.rank == 0:
-            self.saver.wait()
-        beat()  # a long save is progress too
+        if self.rank != 0:
+            self._last_snapshot_step = self.step
+        elif wait or self._last_snapshot_step != self.step:
+            with beating():  # a long save in the foreground is progress too
+                if self._last_snapshot_step != self.step:
+                    self._submit_snapshot(wait)
+                if wait:
+                    self.saver.wait()
+        beat()
 
     def _submit_snapshot(self, wait: bool) -> None:
         if wait:

@@ -1,0 +1,183 @@
+"""Routes of the rendezvous the controller serves to node launchers, and of the
+snapshot fence it serves to workers.
+
+The rendezvous routes take the node's token, as every node route does, and
+answer only a node that is an ACTIVE member of the RUNNING attempt whose
+rendezvous id the path names (``service.rendezvous.member_attempt``). Reading
+keys may wait (long poll) up to ``MAX_WAIT_S``; a client that must wait longer
+calls again. The fence routes take a worker token and answer only for its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+from fastapi import APIRouter, Path
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session, sessionmaker
+
+from contract.rendezvous import (
+    MAX_WAIT_S,
+    RendezvousState,
+    SetRendezvousState,
+    SnapshotWriter,
+    StoreAdd,
+    StoreCompareSet,
+    StoreCount,
+    StoreDeleted,
+    StoreGet,
+    StoreKey,
+    StoreSet,
+    StoreValue,
+    StoreValues,
+    decode,
+    encode,
+)
+from service import fence, rendezvous
+from service.api.deps import (
+    CallingNodeDep,
+    FactoryDep,
+    IdPath,
+    ReadFactoryDep,
+    ReadSessionDep,
+    WorkerTokenDep,
+)
+from service.db import retry_on_stale, transaction
+
+router = APIRouter(prefix="/rendezvous", tags=["rendezvous"])
+workers = APIRouter(prefix="/workers", tags=["workers"])
+
+RdzvId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+POLL_S = 0.05  # how often a waiting read looks again
+T = TypeVar("T")
+
+
+def _write(
+    factory: sessionmaker[Session], rdzv_id: str, node_id: int, work: Callable[[Session, int], T]
+) -> T:
+    """``work(session, attempt_id)`` in one transaction, if the node may write there."""
+
+    def run(session: Session) -> T:
+        return work(session, rendezvous.member_attempt(session, rdzv_id, node_id, lock=True))
+
+    return retry_on_stale(factory, run)
+
+
+@router.get("/{rdzv_id}/state", response_model=RendezvousState)
+def get_state(rdzv_id: RdzvId, node: CallingNodeDep, session: ReadSessionDep) -> RendezvousState:
+    """The attempt's rendezvous state and its version; none (version 0) before the first write."""
+    found = rendezvous.get_state(session, rendezvous.member_attempt(session, rdzv_id, node.id))
+    if found is None:
+        return RendezvousState()
+    return RendezvousState(state=encode(found[0]), version=found[1])
+
+
+@router.post("/{rdzv_id}/state", response_model=RendezvousState)
+def set_state(
+    rdzv_id: RdzvId, body: SetRendezvousState, node: CallingNodeDep, factory: FactoryDep
+) -> RendezvousState:
+    """Write the state if ``version`` is the stored one (compare-and-set); answer with
+    the state stored now, and whether this call wrote it."""
+    blob = decode(body.state)
+    reply = _write(
+        factory, rdzv_id, node.id, lambda s, a: rendezvous.set_state(s, a, blob, body.version)
+    )
+    return RendezvousState(
+        state=None if reply.state is None else encode(reply.state),
+        version=reply.version,
+        written=reply.written,
+    )
+
+
+@router.post("/{rdzv_id}/store/set", response_model=StoreCount)
+def store_set(
+    rdzv_id: RdzvId, body: StoreSet, node: CallingNodeDep, factory: FactoryDep
+) -> StoreCount:
+    """Set each key; answers how many were set."""
+    items = {item.key: decode(item.value) for item in body.items}
+    _write(factory, rdzv_id, node.id, lambda s, a: rendezvous.set_values(s, a, items))
+    return StoreCount(value=len(items))
+
+
+@router.post("/{rdzv_id}/store/get", response_model=StoreValues)
+async def store_get(
+    rdzv_id: RdzvId, body: StoreGet, node: CallingNodeDep, factory: ReadFactoryDep
+) -> StoreValues:
+    """The values of ``keys``, once all exist or after ``wait_s`` (at most ``MAX_WAIT_S``)
+    with those that do; ``complete`` says which."""
+    wanted = set(body.keys)
+
+    def read() -> dict[str, bytes]:
+        with transaction(factory) as session:
+            attempt_id = rendezvous.member_attempt(session, rdzv_id, node.id)
+            return rendezvous.values_of(session, attempt_id, body.keys)
+
+    deadline = time.monotonic() + min(body.wait_s, MAX_WAIT_S)
+    while True:
+        found = await run_in_threadpool(read)
+        complete = len(found) == len(wanted)
+        if complete or time.monotonic() >= deadline:
+            values = {k: encode(v) for k, v in found.items()} if body.with_values else {}
+            return StoreValues(values=values, complete=complete)
+        await asyncio.sleep(POLL_S)
+
+
+@router.post("/{rdzv_id}/store/add", response_model=StoreCount)
+def store_add(
+    rdzv_id: RdzvId, body: StoreAdd, node: CallingNodeDep, factory: FactoryDep
+) -> StoreCount:
+    count = _write(
+        factory, rdzv_id, node.id, lambda s, a: rendezvous.add(s, a, body.key, body.amount)
+    )
+    return StoreCount(value=count)
+
+
+@router.post("/{rdzv_id}/store/compare_set", response_model=StoreValue)
+def store_compare_set(
+    rdzv_id: RdzvId, body: StoreCompareSet, node: CallingNodeDep, factory: FactoryDep
+) -> StoreValue:
+    expected, desired = decode(body.expected), decode(body.desired)
+    value = _write(
+        factory,
+        rdzv_id,
+        node.id,
+        lambda s, a: rendezvous.compare_set(s, a, body.key, expected, desired),
+    )
+    return StoreValue(value=encode(value))
+
+
+@router.post("/{rdzv_id}/store/delete_key", response_model=StoreDeleted)
+def store_delete_key(
+    rdzv_id: RdzvId, body: StoreKey, node: CallingNodeDep, factory: FactoryDep
+) -> StoreDeleted:
+    deleted = _write(factory, rdzv_id, node.id, lambda s, a: rendezvous.delete_key(s, a, body.key))
+    return StoreDeleted(deleted=deleted)
+
+
+@router.get("/{rdzv_id}/store/num_keys", response_model=StoreCount)
+def store_num_keys(rdzv_id: RdzvId, node: CallingNodeDep, session: ReadSessionDep) -> StoreCount:
+    attempt_id = rendezvous.member_attempt(session, rdzv_id, node.id)
+    return StoreCount(value=rendezvous.num_keys(session, attempt_id))
+
+
+@workers.post("/jobs/{job_id}/snapshot-writer", response_model=SnapshotWriter)
+def take_writer(job_id: IdPath, token: WorkerTokenDep, factory: FactoryDep) -> SnapshotWriter:
+    """Take the job's next snapshot-writer token (rank 0, as it starts)."""
+
+    def take(session: Session) -> int:
+        fence.check_worker(session, token, job_id)
+        return fence.take(session, job_id)
+
+    return SnapshotWriter(token=retry_on_stale(factory, take))
+
+
+@workers.get("/jobs/{job_id}/snapshot-writer", response_model=SnapshotWriter)
+def current_writer(
+    job_id: IdPath, token: WorkerTokenDep, session: ReadSessionDep
+) -> SnapshotWriter:
+    """The job's newest snapshot-writer token (rank 0, before each commit)."""
+    fence.check_worker(session, token, job_id)
+    return SnapshotWriter(token=fence.current(session, job_id))

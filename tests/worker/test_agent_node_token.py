@@ -1,0 +1,73 @@
+"""An agent keeps its node token, and with it takes its name back after a crash; an agent
+that has not got it cannot take the name of a node that is alive (a real controller and
+real agent processes)."""
+
+from __future__ import annotations
+
+import signal
+import stat
+from pathlib import Path
+from typing import Any
+
+from service.local_cluster import LocalCluster, free_port
+from tests.helpers import wait_for
+from worker import node_token
+
+
+def _node(cluster: LocalCluster, name: str) -> dict[str, Any]:
+    with cluster.client() as client:
+        [node] = [n for n in client.nodes() if n["name"] == name]
+    return node
+
+
+def test_a_crashed_agent_takes_its_name_back_and_an_impostor_cannot(tmp_path: Path) -> None:
+    cluster = LocalCluster(data_dir=tmp_path, port=free_port())
+    try:
+        # A long timeout: the crashed agent's node stays ALIVE through the test.
+        cluster.start_controller({"RELAUNCH_NODE_TIMEOUT_S": "600"})
+        cluster.start_agent("n1")
+        cluster.wait_nodes(1)
+        first = _node(cluster, "n1")
+        saved = node_token.token_file(cluster.agent_dir("n1"))
+        wait_for("the agent to save its node token", saved.exists)
+        assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+        assert saved.read_text().startswith("rln_")
+
+        cluster.kill_node("n1")  # no leave: the controller still sees n1 ALIVE
+        assert _node(cluster, "n1")["state"] == "ALIVE"
+
+        # Same name, same enrolment token, but not n1's node token.
+        work = cluster.nodes_dir / "elsewhere"
+        args = ["agent", "--controller", cluster.url, "--name", "n1", "--work-dir", str(work)]
+        cluster.spawn("impostor", args, {"RELAUNCH_AGENT_ENROLMENT_TOKEN": cluster.enrolment_token})
+        log = tmp_path / "impostor.log"
+        wait_for(
+            "the impostor to be refused the name",
+            lambda: "registering under its name needs its node token" in log.read_text(),
+        )
+        assert cluster.procs["impostor"].poll() is None  # it waits: 409 is not a bad token
+        assert _node(cluster, "n1")["registered_at"] == first["registered_at"]
+        assert not node_token.token_file(work).exists()
+        cluster.stop("impostor", signal.SIGKILL)
+
+        cluster.start_agent("n1")  # the same work dir: the saved token
+        again = wait_for(
+            "n1 to register again",
+            lambda: (n := _node(cluster, "n1"))["registered_at"] != first["registered_at"] and n,
+        )
+        assert (again["id"], again["state"]) == (first["id"], "ALIVE")
+        assert "needs its node token" not in (tmp_path / "n1.log").read_text()
+    finally:
+        cluster.stop_all()
+
+
+def test_the_saved_token_is_private_and_replaced_whole(tmp_path: Path) -> None:
+    path = node_token.token_file(tmp_path)
+    assert node_token.load(path) is None
+    node_token.save(path, "rln_first")
+    node_token.save(path, "rln_second")
+    assert node_token.load(path) == "rln_second"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == [node_token.FILE_NAME]
+    path.write_text("not\na token\x00")
+    assert node_token.load(path) is None

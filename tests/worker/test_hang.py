@@ -1,0 +1,93 @@
+"""The hang timeout in force for a worker: fixed, or derived from its own beats."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.hang import FLOOR_S, MIN_INTERVALS, WINDOW, BeatWatch, BeatWatches, HangRule
+
+CAP_S = 600.0
+
+
+def _watch_after(beats: list[float], rule: HangRule | None = None) -> BeatWatch:
+    watch = BeatWatch(rule or HangRule(CAP_S, adaptive=True))
+    for at in beats:
+        watch.observe(at)
+    return watch
+
+
+def _steady(interval_s: float, count: int, start: float = 1000.0) -> list[float]:
+    return [start + i * interval_s for i in range(count)]
+
+
+def test_a_fixed_timeout_is_the_spec_s_number_whatever_the_beats() -> None:
+    watch = _watch_after(_steady(0.2, 50), HangRule(45.0))
+    timeout = watch.timeout()
+    assert (timeout.seconds, timeout.rule) == (45.0, "fixed")
+
+
+def test_until_enough_intervals_are_seen_the_cap_holds() -> None:
+    watch = _watch_after(_steady(0.2, MIN_INTERVALS))  # MIN_INTERVALS beats: one interval short
+    timeout = watch.timeout()
+    assert (timeout.seconds, timeout.rule) == (CAP_S, "adaptive")
+    assert "fewer than" in timeout.derivation
+    watch.observe(1000.0 + MIN_INTERVALS * 0.2)
+    assert watch.timeout().seconds == FLOOR_S
+
+
+def test_sub_second_steps_get_the_floor() -> None:
+    timeout = _watch_after(_steady(0.25, 40)).timeout()
+    assert timeout.seconds == FLOOR_S
+    assert (
+        "floor 30 s" in timeout.derivation and "median beat interval 0.25 s" in timeout.derivation
+    )
+
+
+def test_slow_steps_get_ten_times_the_median() -> None:
+    assert _watch_after(_steady(5.0, 20)).timeout().seconds == 50.0
+
+
+def test_the_timeout_never_passes_the_cap() -> None:
+    assert _watch_after(_steady(90.0, 8)).timeout().seconds == CAP_S
+    low_cap = HangRule(20.0, adaptive=True)  # a cap below the floor still caps
+    assert _watch_after(_steady(0.2, 20), low_cap).timeout().seconds == 20.0
+
+
+def test_a_pause_once_survived_is_allowed_twice_over() -> None:
+    """An evaluation of 25 s between epochs of 0.2 s steps: the next one may take 50 s."""
+    beats = _steady(0.2, 30)
+    beats += _steady(0.2, 30, start=beats[-1] + 25.0)
+    timeout = _watch_after(beats).timeout()
+    assert timeout.seconds == 50.0
+    assert "longest 25 s" in timeout.derivation
+
+
+def test_the_median_ignores_a_few_slow_steps_and_forgets_old_ones() -> None:
+    beats = [*_steady(1.0, 20), 1019.0 + 2.0, 1021.0 + 2.0]  # two slow steps among 1 s ones
+    assert _watch_after(beats).timeout().seconds == 30.0  # 10 x median 1 s = 10 s < floor
+    slow_now = _steady(1.0, 20) + _steady(4.0, WINDOW + 1, start=1019.0 + 4.0)
+    assert _watch_after(slow_now).timeout().seconds == 40.0  # the window holds 4 s steps only
+
+
+def test_an_unchanged_or_older_beat_time_adds_no_interval() -> None:
+    watch = _watch_after([1000.0, 1000.0, 999.0, 1001.0])
+    assert list(watch.intervals) == [1.0]
+    assert watch.last_beat == 1001.0
+
+
+def test_a_new_process_of_a_local_rank_starts_a_new_watch() -> None:
+    watches = BeatWatches(HangRule(CAP_S, adaptive=True))
+    first = watches.watch(0, pid=100)
+    for at in _steady(0.2, 10):
+        first.observe(at)
+    assert watches.watch(0, pid=100) is first
+    restarted = watches.watch(0, pid=200)
+    assert restarted is not first and not restarted.intervals
+    watches.forget(0)
+    assert watches.watch(0, pid=200) is not restarted
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0])
+def test_a_rule_needs_a_positive_timeout(timeout_s: float) -> None:
+    with pytest.raises(ValueError, match="> 0"):
+        HangRule(timeout_s)
