@@ -113,7 +113,7 @@ class LauncherExited(EventData):
     """The launcher is about to exit; the agent's exit report carries the outcome."""
 
     kind = EventKind.LAUNCHER_EXIT
-    outcome: Literal["succeeded", "failed"] | None = None
+    outcome: Literal["succeeded", "failed", "closed"] | None = None
     exitcode: Int32 | None = None
     message: Text = ""
     fatal: bool = False

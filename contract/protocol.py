@@ -206,15 +206,24 @@ class LogLine(BaseModel):
     line: PrintedText = Field(max_length=8192)
 
 
+# The launcher's exit code when it came to a rendezvous that another node's launcher had
+# closed by ending (torch closes an id for good whenever a launcher ends other than by a
+# signal): a node that joins just as a job finishes. Its exit is ``closed``, not a failure.
+RENDEZVOUS_CLOSED_EXIT = 75
+
+
 class AttemptExit(BaseModel):
     """How the launcher process of an attempt ended on this node.
 
     ``stopped``: the agent ended it because the controller no longer wants it;
     ``clean`` then says that no process of the attempt is left on the node.
     ``fatal``: the launcher gave up on an error that a restart cannot fix.
+    ``closed``: the launcher came to the attempt's rendezvous after it had closed (another
+    node's launcher ended, which closes it for everyone): its workers never started, and
+    what became of the attempt is for the other nodes to report.
     """
 
-    outcome: Literal["succeeded", "failed", "stopped"]
+    outcome: Literal["succeeded", "failed", "stopped", "closed"]
     exit_code: Int32 | None = None
     message: PrintedText = Field(default="", max_length=65536)
     clean: bool = True

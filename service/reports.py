@@ -398,6 +398,18 @@ def _apply_exit(
             _launcher_failed(session, job, attempt, exit, why, now)
         elif attempt.state is AttemptState.RUNNING:
             end_attempt(session, attempt, AttemptState.FAILED, now, why)
+    elif exit.outcome == "closed":
+        # It came as the others were ending: no failure of its own, nothing lost, and the
+        # others' reports say how the attempt ends. It is free again.
+        add_event(
+            session,
+            job.id,
+            "node_late",
+            f"node {node.name} came to attempt {attempt.number} after its rendezvous had "
+            "closed (another node's part had ended); it did not train and is free again",
+            now,
+            **ids,
+        )
     else:
         _record_stopped(session, job.id, node, attempt, exit, now)
 

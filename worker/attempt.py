@@ -48,6 +48,7 @@ from contract.protocol import (
     JOB_ID_ENV,
     NODE_NAME_ENV,
     PROGRESS_DIR_ENV,
+    RENDEZVOUS_CLOSED_EXIT,
     SNAPSHOT_ASYNC_ENV,
     SNAPSHOT_DIR_ENV,
     SNAPSHOT_EVERY_EPOCHS_ENV,
@@ -534,8 +535,9 @@ class Attempt:
         else:
             message = f"launcher exited with code {code} without a launcher_exit event"
         self.node_token_path.unlink(missing_ok=True)
+        closed = last is not None and last.outcome == "closed" and code == RENDEZVOUS_CLOSED_EXIT
         self.exit = AttemptExit(
-            outcome="succeeded" if code == 0 else "failed",
+            outcome="closed" if closed else "succeeded" if code == 0 else "failed",
             exit_code=code,
             message=message,
             clean=clean,

@@ -54,7 +54,7 @@ from contract.events import (
     WorkerFailed,
 )
 from contract.labels import label_from_environ
-from contract.protocol import RestartPolicy
+from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import procs
 from worker.bootstrap import STACK_DUMP_SIGNAL
 from worker.hang import BeatWatches, HangRule, HangTimeout
@@ -248,6 +248,13 @@ class Supervision:
                     derivation=timeout.derivation[:300],
                 )
             )
+        if self.beats is not None and any(t.rule == "adaptive" for _, _, t in hung):
+            floor = self.beats.raise_floor()
+            logger.warning(
+                "%s the adaptive hang timeout of this launcher's next workers is at least "
+                "%.0f s (a pause the script makes on purpose is allowed longer each time)",
+                _CTX, floor,
+            )  # fmt: skip
         for worker in all_workers:
             _signal(worker.id, STACK_DUMP_SIGNAL)
         time.sleep(STACK_DUMP_WAIT_S)
@@ -363,10 +370,11 @@ def install_event_hooks(supervision: Supervision) -> None:
 
 def run_torchrun(
     torchrun_args: Sequence[str], supervision: Supervision | None = None
-) -> tuple[Literal["succeeded", "failed"], int, str]:
+) -> tuple[Literal["succeeded", "failed", "closed"], int, str]:
     """Run torch's elastic launcher in this process; return (outcome, exit code, message)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.run import parse_args, run
 
     try:
@@ -394,6 +402,12 @@ def run_torchrun(
         return "failed", 1, message
     except SignalException as exc:
         return "failed", 128 + int(exc.sigval), f"stopped by signal {exc.sigval.name}"
+    except RendezvousClosedError:
+        return (
+            "closed",
+            RENDEZVOUS_CLOSED_EXIT,
+            "the attempt's rendezvous had closed: another node's launcher ended first",
+        )
     except Exception as exc:
         logger.exception("%s elastic launcher failed", _CTX)
         return "failed", 1, f"{type(exc).__name__}: {exc}"

@@ -607,3 +607,37 @@ def test_the_old_run_of_a_node_back_in_its_attempt_cannot_touch_its_new_membersh
     states = [m["state"] for m in d["attempts"][0]["members"] if m["node_name"] == "b"]
     assert states == ["LEFT", "ACTIVE"]
     assert report(api, b, attempt_id, member_id=new["member_id"], events=[]).status_code == 200
+
+
+def test_a_node_that_comes_after_the_rendezvous_closed_costs_nothing(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    """A node joins just as the job finishes: its launcher finds the rendezvous closed
+    (another launcher ended first). That is neither a restart nor a node leaving: the
+    others are not told to re-form, and the attempt ends as the others report."""
+    a = register(api, "a")
+    job_id = submit(api, "1:2")
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    rendezvous = event("rendezvous", world_size=1, group_rank=0, group_world_size=1)
+    assert report(api, a, attempt_id, events=[rendezvous]).status_code == 200
+    b = register(api, "b")
+    reconciler.run_once()
+    [joined] = heartbeat(api, b)
+    assert joined["attempt_id"] == attempt_id
+    [before] = heartbeat(api, a)
+    closed = {"outcome": "closed", "exit_code": 75, "message": "rendezvous had closed"}
+    assert report(api, b, attempt_id, exit=closed).status_code == 200
+    d = job(api, job_id)
+    assert (d["state"], d["restart_count"], len(d["attempts"])) == ("RUNNING", 0, 1)
+    assert "node_late" in kinds(api, job_id)
+    [after] = heartbeat(api, a)
+    assert after["membership_generation"] == before["membership_generation"]
+    done = {"outcome": "succeeded", "exit_code": 0}
+    assert report(api, a, attempt_id, exit=done).status_code == 200
+    d = job(api, job_id)
+    assert (d["state"], d["restart_count"]) == ("SUCCEEDED", 0)
+    assert {m["node_id"]: m["state"] for m in d["attempts"][0]["members"]} == {
+        a: "FINISHED",
+        b: "EXITED",
+    }

@@ -8,6 +8,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from contract.protocol import RENDEZVOUS_CLOSED_EXIT
+
 REPO = Path(__file__).resolve().parents[2]
 
 _FLAKY_WORKER = textwrap.dedent(
@@ -20,6 +24,8 @@ _FLAKY_WORKER = textwrap.dedent(
         sys.exit(3)
     """
 )
+
+_QUICK_WORKER = "print('done', flush=True)\n"
 
 _FAILING_WORKER = textwrap.dedent(
     """
@@ -36,14 +42,23 @@ _FAILING_WORKER = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, script: str, max_restarts: int) -> tuple[int, list[dict[str, Any]]]:
+def _launch(
+    tmp_path: Path,
+    script: str,
+    max_restarts: int,
+    rendezvous: list[str] | None = None,
+    nproc: int = 2,
+) -> tuple[int, list[dict[str, Any]]]:
+    """Run one launcher to its end: its exit code and its events. ``rendezvous``: torchrun's
+    rendezvous arguments (default ``--standalone``)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     program = tmp_path / "train.py"
     program.write_text(script)
     events = tmp_path / "events.jsonl"
     argv = [
         sys.executable, "-m", "worker.launch", "--events-file", str(events),
         "--parent-pid", str(os.getpid()), "--",
-        "--standalone", "--nproc-per-node", "2",
+        *(rendezvous or ["--standalone"]), "--nproc-per-node", str(nproc),
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
         "--tee", "3", "--log-dir", str(tmp_path / "logs"),
         str(program),
@@ -130,3 +145,22 @@ def test_a_long_worker_error_still_fits_in_one_event_line(tmp_path: Path) -> Non
     [line] = path.read_text().splitlines()
     event = parse_event(line)
     assert isinstance(event.data, WorkerFailed) and event.data.message == message
+
+
+def test_a_launcher_that_comes_after_the_rendezvous_closed_says_so(tmp_path: Path) -> None:
+    """A node that joins just as a job finishes finds its rendezvous closed (the first
+    launcher closed it by ending): that ends with its own exit code and outcome, which the
+    agent reports as ``closed`` and the controller does not charge."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rendezvous = [
+        "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-id", "closing",
+        "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "last_call_timeout=1",
+    ]  # fmt: skip
+    first, first_events = _launch(tmp_path / "first", _QUICK_WORKER, 0, rendezvous, nproc=1)
+    assert first == 0
+    assert _of("launcher_exit", first_events)[0]["outcome"] == "succeeded"
+    late, late_events = _launch(tmp_path / "late", _QUICK_WORKER, 3, rendezvous, nproc=1)
+    assert late == RENDEZVOUS_CLOSED_EXIT
+    assert _of("rendezvous", late_events) == []
+    (exit_event,) = _of("launcher_exit", late_events)
+    assert (exit_event["outcome"], exit_event["exitcode"]) == ("closed", RENDEZVOUS_CLOSED_EXIT)
