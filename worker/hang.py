@@ -19,6 +19,12 @@ back, even a little longer. A pause longer than the timeout before it was ever s
 is a hang by this rule: a script that pauses for long should call
 ``worker.runtime.progress.beat()`` during the pause, or set ``hang_timeout_s``.
 
+A hang found by the adaptive rule doubles the floor for this launcher's later workers
+(``BeatWatches.raise_floor``): a pause that is part of the script (rank 0 evaluating or
+saving while the others wait, before any such pause was seen) costs one restart, and
+the next time the same pause is allowed twice as long, up to the cap; a real hang is
+still found, a little later each time.
+
 The launcher sees beats only at its monitor passes (every 0.2 s), so several beats
 between two passes count as one interval: with very short steps the median is the
 pass interval, and the floor decides. A new worker process (a restart, a new
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 FLOOR_S = 30.0  # the least an adaptive timeout is
@@ -129,3 +135,11 @@ class BeatWatches:
 
     def forget(self, local_rank: int) -> None:
         self._watches.pop(local_rank, None)
+
+    def raise_floor(self) -> float:
+        """After a hang found by the adaptive rule: double the floor of the watches of
+        worker processes started from now on, never above the cap. The new floor."""
+        rule = self.rule
+        if rule.adaptive:
+            self.rule = replace(rule, floor_s=min(rule.timeout_s, 2 * rule.floor_s))
+        return self.rule.floor_s

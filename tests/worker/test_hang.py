@@ -91,3 +91,21 @@ def test_a_new_process_of_a_local_rank_starts_a_new_watch() -> None:
 def test_a_rule_needs_a_positive_timeout(timeout_s: float) -> None:
     with pytest.raises(ValueError, match="> 0"):
         HangRule(timeout_s)
+
+
+def test_a_hang_found_by_the_adaptive_rule_doubles_the_floor_up_to_the_cap() -> None:
+    """A pause that is part of the script costs one restart; the next one is allowed
+    twice as long, and so on up to the cap. A fixed rule never moves."""
+    watches = BeatWatches(HangRule(100.0, adaptive=True))
+    before = watches.watch(0, pid=100)
+    assert watches.raise_floor() == 2 * FLOOR_S
+    after = watches.watch(0, pid=200)  # the restarted worker
+    for at in _steady(0.2, MIN_INTERVALS + 1):
+        before.observe(at)
+        after.observe(at)
+    assert before.timeout().seconds == FLOOR_S  # a running worker keeps its rule
+    assert after.timeout().seconds == 2 * FLOOR_S
+    assert watches.raise_floor() == 100.0  # capped
+    assert watches.raise_floor() == 100.0
+    fixed = BeatWatches(HangRule(5.0))
+    assert fixed.raise_floor() == FLOOR_S and fixed.watch(0, pid=1).timeout().seconds == 5.0

@@ -168,6 +168,10 @@ def test_the_default_timeout_follows_the_beats_the_launcher_sees(tmp_path: Path)
     clock[0] = 2000.0 + FLOOR_S + 1
     assert supervision.find_hung([worker]) == []  # one beat again: the cap holds
 
+    gone = Worker(local_rank=0, global_rank=0, id=None)  # nothing to signal
+    supervision.end_hung([gone], [(gone, idle, timeout)])
+    assert supervision.beats is not None and supervision.beats.rule.floor_s == 2 * FLOOR_S
+
 
 def test_restart_back_off_doubles_up_to_the_cap() -> None:
     policy = RestartPolicy(backoff_s=1.5, backoff_max_s=5)
