@@ -180,6 +180,13 @@ class Assignment(BaseModel):
         description="How many nodes are members of the attempt now: a node whose workers "
         "already formed with no more nodes than this has nothing to re-form",
     )
+    memberships: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many memberships the attempt has had, ended ones included: it grows "
+        "by one with each node that joins. A node that joined after the workers formed may "
+        "stand in for one that is gone, so equal counts say nothing then",
+    )
 
 
 class RunningAttempt(BaseModel):

@@ -221,4 +221,5 @@ def assignment_for(
         member_id=member_id,
         membership_generation=membership_generation(attempt),
         active_members=sum(1 for m in attempt.members if m.state is MemberState.ACTIVE),
+        memberships=len(attempt.members),
     )

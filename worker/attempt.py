@@ -330,6 +330,10 @@ class Attempt:
         self._fenced = False
         # The attempt's membership generation this node last acted on.
         self._generation = assignment.membership_generation
+        # (when first seen, Assignment.memberships) at each change: how many had joined
+        # by the time the workers last formed.
+        self._memberships_seen: list[tuple[datetime, int]] = []
+        self._note_memberships(assignment)
         self.membership_path = self.dir / MEMBERSHIP_FILE
         self.exit: AttemptExit | None = None
         self.exit_delivered = False
@@ -576,6 +580,24 @@ class Attempt:
         )
         self._stopper.start()
 
+    def _note_memberships(self, assignment: Assignment) -> None:
+        count = assignment.memberships
+        if count is not None and (
+            not self._memberships_seen or self._memberships_seen[-1][1] != count
+        ):
+            self._memberships_seen.append((datetime.now(UTC), count))
+
+    def _joined_since(self, formed_at: datetime) -> bool:
+        """Whether a node joined the attempt after ``formed_at`` (as far as this node's
+        heartbeats saw: a join less than a heartbeat before it may be missed)."""
+        if not self._memberships_seen:
+            return True  # an older controller: no way to tell, assume one did
+        then = self._memberships_seen[0][1]
+        for seen_at, count in self._memberships_seen:
+            if seen_at <= formed_at:
+                then = count
+        return self._memberships_seen[-1][1] > then
+
     def follow_membership(self, assignment: Assignment) -> threading.Thread | None:
         """End the workers (not the launcher) when the attempt lost a member since this
         node last looked, so that torch's elastic agent re-forms them at once, without it.
@@ -583,11 +605,14 @@ class Attempt:
         Nothing signals a worker whose collective waits on a frozen or cut-off peer, so
         the controller's word (``Assignment.membership_generation``) is what ends that
         wait, for gloo and NCCL alike. Not if the workers' last rendezvous had no more
-        nodes than the attempt has members now: they already formed without the lost one.
+        nodes than the attempt has members now and no node joined since: they already
+        formed without the lost one. (A node that joined may stand in for the lost one in
+        the count while the workers still wait on the lost one.)
         The launcher, told by ``membership_path``, reports the ends as a membership
         change, which costs no restart. The kill (SIGTERM, ``RE_FORM_GRACE_S``, SIGKILL)
         runs on a thread of its own, which is returned; None if nothing is ended.
         """
+        self._note_memberships(assignment)
         generation = assignment.membership_generation
         if generation <= self._generation:
             return None
@@ -595,15 +620,17 @@ class Attempt:
         launcher = self.launcher_pid
         if self._stopper is not None or self.exit is not None or launcher is None:
             return None
-        formed = self._events.last_of(RendezvousComplete, tail_bytes=1 << 20)
+        formed = self._events.last_timed(RendezvousComplete, tail_bytes=1 << 20)
         members = assignment.active_members
-        nodes = formed.group_world_size if formed is not None else None
-        if nodes is not None and members is not None and nodes <= members:
-            logger.info(
-                "%s a member left; the workers already formed with %d node(s), %d remain",
-                self._ctx, nodes, members,
-            )  # fmt: skip
-            return None
+        if formed is not None and members is not None:
+            formed_at, round_ = formed
+            nodes = round_.group_world_size
+            if nodes is not None and nodes <= members and not self._joined_since(formed_at):
+                logger.info(
+                    "%s a member left; the workers already formed with %d node(s), %d remain",
+                    self._ctx, nodes, members,
+                )  # fmt: skip
+                return None
         workers = procs.descendants(launcher)
         if not workers:
             return None

@@ -137,6 +137,12 @@ class EventsTail:
     def last_of(self, kind: type[D], *, tail_bytes: int = 1 << 16) -> D | None:
         """The payload of the last valid event of ``kind`` within the file's final
         ``tail_bytes``."""
+        found = self.last_timed(kind, tail_bytes=tail_bytes)
+        return None if found is None else found[1]
+
+    def last_timed(self, kind: type[D], *, tail_bytes: int = 1 << 16) -> tuple[datetime, D] | None:
+        """(time, payload) of the last valid event of ``kind`` within the file's final
+        ``tail_bytes``."""
         try:
             with self.path.open("rb") as fp:
                 fp.seek(max(0, self.path.stat().st_size - tail_bytes))
@@ -149,5 +155,5 @@ class EventsTail:
             except ValidationError:
                 continue
             if isinstance(event.data, kind):
-                return event.data
+                return event.time, event.data
         return None

@@ -516,6 +516,7 @@ def test_the_survivors_are_told_at_once_when_a_member_is_dropped(
     reconciler.run_once()
     [first] = heartbeat(api, a)
     assert (first["membership_generation"], first["active_members"]) == (0, 3)
+    assert first["memberships"] == 3
     clock.advance(8)
     heartbeat(api, a), heartbeat(api, b)
     clock.advance(5)  # c silent for 13 s > 10 s
@@ -633,6 +634,7 @@ def test_a_node_that_comes_after_the_rendezvous_closed_costs_nothing(
     assert "node_late" in kinds(api, job_id)
     [after] = heartbeat(api, a)
     assert after["membership_generation"] == before["membership_generation"]
+    assert after["memberships"] == 2  # b's membership counts: it did join
     done = {"outcome": "succeeded", "exit_code": 0}
     assert report(api, a, attempt_id, exit=done).status_code == 200
     d = job(api, job_id)

@@ -119,7 +119,7 @@ def test_workers_that_already_formed_without_the_lost_member_are_left_alone(
         )
         writer.close()
         told = attempt.assignment.model_copy(
-            update={"membership_generation": 1, "active_members": 2}
+            update={"membership_generation": 1, "active_members": 2, "memberships": 3}
         )
         assert attempt.follow_membership(told) is None
         assert worker.is_running() and not attempt.membership_path.exists()
@@ -131,6 +131,43 @@ def test_workers_that_already_formed_without_the_lost_member_are_left_alone(
         assert attempt.membership_path.read_text() == "2\n"
         assert not procs.is_alive(worker)
         assert launcher.poll() is None  # the launcher itself goes on
+    finally:
+        procs.kill_tree(launcher.pid, 1.0)
+        launcher.wait(10)
+
+
+def test_a_spare_that_joined_since_the_workers_formed_does_not_hide_the_lost_member(
+    tmp_path: Path,
+) -> None:
+    """Three nodes formed; one is cut off and a spare joins in the same pass: still
+    three members, but the workers wait on the cut one, so they must re-form."""
+    attempt = unstarted_attempt(tmp_path, _settings(tmp_path))
+    sleeper = "import time; time.sleep(600)"
+    argv = [
+        sys.executable, "-c",
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]);"
+        " time.sleep(600)",
+    ]  # fmt: skip
+    launcher = _run_as_launcher(attempt, argv, tmp_path / "launcher.out")
+    try:
+        _wait_for(lambda: procs.descendants(launcher.pid), "the worker to start")
+        [worker] = procs.descendants(launcher.pid)
+        formed = attempt.assignment.model_copy(update={"active_members": 3, "memberships": 3})
+        assert attempt.follow_membership(formed) is None
+        writer = EventWriter(attempt.events_path)
+        writer.emit(
+            RendezvousComplete(world_size=3, group_rank=0, group_world_size=3, restart_count=0)
+        )
+        writer.close()
+        time.sleep(0.01)  # the spare's join is seen after the round formed
+        told = formed.model_copy(
+            update={"membership_generation": 1, "active_members": 3, "memberships": 4}
+        )
+        killer = attempt.follow_membership(told)
+        assert killer is not None
+        killer.join(30)
+        assert attempt.membership_path.read_text() == "1\n"
+        assert not procs.is_alive(worker)
     finally:
         procs.kill_tree(launcher.pid, 1.0)
         launcher.wait(10)
