@@ -33,7 +33,7 @@ def test_a_job_keeps_its_invariants_through_a_random_fault_of_every_kind(
     try:
         with campaign.running():
             result = campaign.run(
-                minutes=10, interval_s=3, epochs=80, step_delay=0.06, max_faults=len(KINDS)
+                minutes=10, interval_s=3, epochs=45, step_delay=0.06, max_faults=len(KINDS)
             )
         campaign.finish(result)
     finally:
