@@ -72,8 +72,9 @@ SERVER_ERROR = re.compile(r"Traceback|Exception in ASGI|Internal Server Error|\b
 
 
 def chaos_spec(name: str, epochs: int, step_delay: float, max_restarts: int) -> dict[str, Any]:
-    """The campaign's job: job defaults, except a restart budget for the worker kills and
-    a snapshot every 10 steps; ``nnodes`` 1:3, so a fourth node is a spare."""
+    """The campaign's job: job defaults (a snapshot after every epoch: 11 steps at world
+    size 3), except a restart budget for the worker kills; ``nnodes`` 1:3, so a fourth
+    node is a spare."""
     return {
         "name": name,
         "task": {
@@ -89,7 +90,6 @@ def chaos_spec(name: str, epochs: int, step_delay: float, max_restarts: int) -> 
         },
         "nnodes": f"1:{MAX_NODES}",
         "max_restarts": max_restarts,
-        "snapshot": {"every_steps": 10},
     }
 
 
@@ -195,6 +195,19 @@ class CampaignResult:
             Check("no server error", not self.server_errors, " | ".join(self.server_errors[:5])),
         ]
 
+    def targets(self) -> dict[str, Any]:
+        """The README's figures: survivors of a freeze or cut training again within the
+        node timeout + 5 s with no restart charged; a restarted agent back in the attempt
+        within 5 s of registering."""
+        held_out = [f for f in self.faults if f.kind in ("node_freeze", "network_cut")]
+        return {
+            "held_out_training_again_s": [f.training_again_s for f in held_out],
+            "held_out_limit_s": self.node_timeout_s + 5,
+            "held_out_charged": sum(f.restarts_observed or 0 for f in held_out),
+            "agent_rejoin_s": [f.rejoin_s for f in self.faults if f.rejoin_s is not None],
+            "agent_rejoin_limit_s": 5.0,
+        }
+
     def to_json(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
@@ -209,6 +222,7 @@ class CampaignResult:
             "campaign_s": self.campaign_s,
             "faults": [asdict(f) for f in self.faults],
             "checks": [asdict(c) for c in self.checks()],
+            "targets": self.targets(),
             "timeline": self.timeline,
         }
 
@@ -411,7 +425,9 @@ class Campaign:
             next_at = max(next_at + interval_s, time.time() + 1)
         window = (self.began, time.time())
         job = until(
-            "the job to end", lambda: (j := self.api.job(job_id))["state"] in TERMINAL and j, 900
+            "the job to end",
+            lambda: (j := self.api.job(job_id))["state"] in TERMINAL and j,
+            max(900.0, minutes * 90),
         )
         job = job or self.api.job(job_id)
         self.attribute_resumes(job_id)
@@ -581,6 +597,7 @@ class Campaign:
 
         if until("progress reported again", progress, timeout_s):
             fault.training_again_s = round(time.time() - fault.at, 1)
+        fault.note += "the workers train on; seconds until the controller shows progress; "
         fault.world_after = self.api.job(job_id)["world_size"]
 
     def _node_add(self, job_id: int, fault: Fault, timeout_s: float) -> None:
@@ -692,9 +709,22 @@ def print_report(result: CampaignResult, console: Console) -> None:
         f"faults came; {percent(result.goodput)} of the job's {result.wall_s or 0:.0f} s "
         "of training"
     )
+    targets = result.targets()
+    console.print(
+        f"frozen or cut off: the others trained again after "
+        f"{seconds(targets['held_out_training_again_s'])} (target ≤ "
+        f"{targets['held_out_limit_s']:.0f} s), restarts charged {targets['held_out_charged']}"
+        f"; a restarted agent was back in the attempt {seconds(targets['agent_rejoin_s'])} "
+        "after it registered (target ≤ 5 s)"
+    )
     for check in result.checks():
         mark = "[green]ok[/]" if check.ok else "[red]FAILED[/]"
         console.print(f"{mark} {check.name}: {check.detail}")
+
+
+def seconds(values: list[float | None]) -> str:
+    shown = ", ".join("never" if v is None else f"{v:.1f}" for v in values)
+    return f"{shown} s" if values else "- (none)"
 
 
 def percent(share: float | None) -> str:

@@ -8,6 +8,7 @@ fault of each kind, as soon as the last one has settled.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def test_a_job_keeps_its_invariants_through_a_random_fault_of_every_kind(
         dump_logs(tmp_path / "controller")
     print("\n".join(result.timeline))
     print_report(result, Console(width=200))
+    print(json.dumps(result.to_json()["targets"]))  # what the benchmark writes, too
 
     assert {f.kind for f in result.faults} == set(KINDS)
     failed = [f"{c.name}: {c.detail}" for c in result.checks() if not c.ok]
