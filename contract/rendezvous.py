@@ -16,6 +16,11 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, Field
 
 RENDEZVOUS_PATH = "/api/v1/rendezvous"
+# The launcher's membership (``Assignment.member_id``), sent with the node's token: a
+# launcher of a membership that has ended (a node fenced out and placed again, whose old
+# launcher has not stopped yet) is refused, so it cannot close or rewrite the rendezvous
+# the node's new launcher and the others use.
+MEMBER_HEADER = "x-relaunch-member"
 MAX_WAIT_S = 5.0  # the longest one call waits for keys; a client waits longer by calling again
 
 

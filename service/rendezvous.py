@@ -50,13 +50,22 @@ class StateReply:
     written: bool
 
 
-def member_attempt(session: Session, rdzv_id: str, node_id: int, *, lock: bool = False) -> int:
+def member_attempt(
+    session: Session,
+    rdzv_id: str,
+    node_id: int,
+    *,
+    member_id: int | None = None,
+    lock: bool = False,
+) -> int:
     """The id of the attempt ``rdzv_id`` if ``node_id`` may use its rendezvous now.
 
     ``NotFound`` for an unknown rendezvous id; ``Forbidden`` unless the node has an
     ACTIVE membership of it (a node being placed or joining in place has one) and
-    the attempt is RUNNING. With ``lock`` the attempt row is share-locked until the
-    transaction ends, so it cannot end (and be cleaned up) under a write.
+    the attempt is RUNNING; with ``member_id``, that membership must be this one
+    (a launcher of the node's ended membership is refused). With ``lock`` the
+    attempt row is share-locked until the transaction ends, so it cannot end (and be
+    cleaned up) under a write.
     """
     stmt = select(Attempt.id, Attempt.state).where(Attempt.rdzv_id == rdzv_id)
     if lock:
@@ -65,13 +74,19 @@ def member_attempt(session: Session, rdzv_id: str, node_id: int, *, lock: bool =
     if row is None:
         raise NotFound(f"no attempt has rendezvous id {rdzv_id!r}")
     attempt_id, state = row
-    member = session.scalar(
-        select(AttemptMember.id).where(
-            AttemptMember.attempt_id == attempt_id,
-            AttemptMember.node_id == node_id,
-            AttemptMember.state == MemberState.ACTIVE,
-        )
+    query = select(AttemptMember.id).where(
+        AttemptMember.attempt_id == attempt_id,
+        AttemptMember.node_id == node_id,
+        AttemptMember.state == MemberState.ACTIVE,
     )
+    if member_id is not None:
+        query = query.where(AttemptMember.id == member_id)
+    member = session.scalar(query)
+    if member is None and member_id is not None:
+        raise Forbidden(
+            f"membership {member_id} of node {node_id} is not an active member of rendezvous "
+            f"{rdzv_id!r}: it has ended"
+        )
     if member is None:
         raise Forbidden(f"node {node_id} is not a member of rendezvous {rdzv_id!r}")
     if state is not AttemptState.RUNNING:

@@ -401,6 +401,8 @@ class Attempt:
                     command.append("--hang-timeout-adaptive")
             if self._node_token is not None:
                 command += ["--node-token-file", str(self.node_token_path)]
+                if self.assignment.member_id is not None:
+                    command += ["--member-id", str(self.assignment.member_id)]
             self.membership_path.unlink(missing_ok=True)  # a previous life's
             command += ["--membership-file", str(self.membership_path)]
             command += ["--", *torchrun_args]

@@ -449,6 +449,13 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="a file holding the node's token, for --rdzv-backend relaunch",
     )
     parser.add_argument(
+        "--member-id",
+        type=int,
+        default=None,
+        help="the node's membership of the attempt that this launcher runs for: rendezvous "
+        "calls of a membership that has ended are refused",
+    )
+    parser.add_argument(
         "--sandbox",
         type=WorkerSandbox.model_validate_json,
         default=None,
@@ -501,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ns.node_token_file is not None:
                 from worker import rendezvous
 
-                rendezvous.register(rendezvous.read_token_file(ns.node_token_file))
+                token = rendezvous.read_token_file(ns.node_token_file)
+                rendezvous.register(token, ns.member_id)
             outcome, exitcode, message = run_torchrun(torchrun_args, supervision)
         except (OSError, ValueError) as exc:
             outcome, exitcode, message = "failed", 1, f"cannot read the node token: {exc}"

@@ -49,6 +49,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from contract.rendezvous import (
     MAX_WAIT_S,
+    MEMBER_HEADER,
     RENDEZVOUS_PATH,
     RendezvousState,
     SetRendezvousState,
@@ -92,6 +93,7 @@ class ControllerRendezvous:
         rdzv_id: str,
         node_token: str,
         *,
+        member_id: int | None = None,
         retry_s: float = RETRY_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
@@ -102,7 +104,10 @@ class ControllerRendezvous:
         self._http = httpx.Client(
             base_url=f"{controller_url.rstrip('/')}{RENDEZVOUS_PATH}/{rdzv_id}",
             timeout=HTTP_TIMEOUT_S,
-            headers={"authorization": f"Bearer {node_token}"},
+            headers={
+                "authorization": f"Bearer {node_token}",
+                **({} if member_id is None else {MEMBER_HEADER: str(member_id)}),
+            },
             transport=transport,
         )
 
@@ -272,18 +277,22 @@ def read_token_file(path: Path) -> str:
     return token
 
 
-def handler_for(params: RendezvousParameters, node_token: str) -> DynamicRendezvousHandler:
+def handler_for(
+    params: RendezvousParameters, node_token: str, member_id: int | None = None
+) -> DynamicRendezvousHandler:
     """torch's dynamic rendezvous for ``params`` (``endpoint``: the controller's URL,
-    ``run_id``: the attempt's rendezvous id), kept at the controller."""
-    api = ControllerRendezvous(params.endpoint, params.run_id, node_token)
+    ``run_id``: the attempt's rendezvous id), kept at the controller; calls carry
+    ``member_id``, the membership the launcher runs for, when known."""
+    api = ControllerRendezvous(params.endpoint, params.run_id, node_token, member_id=member_id)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     store = ControllerStore(api, timeout=timedelta(seconds=read_timeout))
     return create_handler(store, ControllerBackend(api), params)
 
 
-def register(node_token: str) -> None:
+def register(node_token: str, member_id: int | None = None) -> None:
     """Make ``--rdzv-backend relaunch`` build its handler with ``handler_for``, calling the
-    controller with ``node_token``. Once per process, before torch's launcher runs."""
+    controller with ``node_token`` for membership ``member_id``. Once per process, before
+    torch's launcher runs."""
     rendezvous_handler_registry.register(
-        BACKEND_NAME, functools.partial(handler_for, node_token=node_token)
+        BACKEND_NAME, functools.partial(handler_for, node_token=node_token, member_id=member_id)
     )

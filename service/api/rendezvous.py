@@ -3,7 +3,8 @@ snapshot fence it serves to workers.
 
 The rendezvous routes take the node's token, as every node route does, and
 answer only a node that is an ACTIVE member of the RUNNING attempt whose
-rendezvous id the path names (``service.rendezvous.member_attempt``). Reading
+rendezvous id the path names (``service.rendezvous.member_attempt``); with the
+``MEMBER_HEADER``, only the launcher of that membership. Reading
 keys may wait (long poll) up to ``MAX_WAIT_S``; a client that must wait longer
 calls again. The fence routes take a worker token and answer only for its job.
 """
@@ -13,14 +14,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Depends, Header, Path
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.rendezvous import (
     MAX_WAIT_S,
+    MEMBER_HEADER,
     RendezvousState,
     SetRendezvousState,
     SnapshotWriter,
@@ -55,21 +58,52 @@ POLL_S = 0.05  # how often a waiting read looks again
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Caller:
+    """The calling node, and the membership its launcher says it runs for (if it says)."""
+
+    node_id: int
+    member_id: int | None
+
+    def attempt(self, session: Session, rdzv_id: str, *, lock: bool = False) -> int:
+        return rendezvous.member_attempt(
+            session, rdzv_id, self.node_id, member_id=self.member_id, lock=lock
+        )
+
+
+def _caller(
+    node: CallingNodeDep,
+    member: Annotated[
+        int | None,
+        Header(
+            alias=MEMBER_HEADER,
+            ge=1,
+            le=2**63 - 1,
+            description="The membership the calling launcher runs for (Assignment.member_id)",
+        ),
+    ] = None,
+) -> Caller:
+    return Caller(node.id, member)
+
+
+CallerDep = Annotated[Caller, Depends(_caller)]
+
+
 def _write(
-    factory: sessionmaker[Session], rdzv_id: str, node_id: int, work: Callable[[Session, int], T]
+    factory: sessionmaker[Session], rdzv_id: str, caller: Caller, work: Callable[[Session, int], T]
 ) -> T:
-    """``work(session, attempt_id)`` in one transaction, if the node may write there."""
+    """``work(session, attempt_id)`` in one transaction, if the caller may write there."""
 
     def run(session: Session) -> T:
-        return work(session, rendezvous.member_attempt(session, rdzv_id, node_id, lock=True))
+        return work(session, caller.attempt(session, rdzv_id, lock=True))
 
     return retry_on_stale(factory, run)
 
 
 @router.get("/{rdzv_id}/state", response_model=RendezvousState)
-def get_state(rdzv_id: RdzvId, node: CallingNodeDep, session: ReadSessionDep) -> RendezvousState:
+def get_state(rdzv_id: RdzvId, caller: CallerDep, session: ReadSessionDep) -> RendezvousState:
     """The attempt's rendezvous state and its version; none (version 0) before the first write."""
-    found = rendezvous.get_state(session, rendezvous.member_attempt(session, rdzv_id, node.id))
+    found = rendezvous.get_state(session, caller.attempt(session, rdzv_id))
     if found is None:
         return RendezvousState()
     return RendezvousState(state=encode(found[0]), version=found[1])
@@ -77,13 +111,13 @@ def get_state(rdzv_id: RdzvId, node: CallingNodeDep, session: ReadSessionDep) ->
 
 @router.post("/{rdzv_id}/state", response_model=RendezvousState)
 def set_state(
-    rdzv_id: RdzvId, body: SetRendezvousState, node: CallingNodeDep, factory: FactoryDep
+    rdzv_id: RdzvId, body: SetRendezvousState, caller: CallerDep, factory: FactoryDep
 ) -> RendezvousState:
     """Write the state if ``version`` is the stored one (compare-and-set); answer with
     the state stored now, and whether this call wrote it."""
     blob = decode(body.state)
     reply = _write(
-        factory, rdzv_id, node.id, lambda s, a: rendezvous.set_state(s, a, blob, body.version)
+        factory, rdzv_id, caller, lambda s, a: rendezvous.set_state(s, a, blob, body.version)
     )
     return RendezvousState(
         state=None if reply.state is None else encode(reply.state),
@@ -94,17 +128,17 @@ def set_state(
 
 @router.post("/{rdzv_id}/store/set", response_model=StoreCount)
 def store_set(
-    rdzv_id: RdzvId, body: StoreSet, node: CallingNodeDep, factory: FactoryDep
+    rdzv_id: RdzvId, body: StoreSet, caller: CallerDep, factory: FactoryDep
 ) -> StoreCount:
     """Set each key; answers how many were set."""
     items = {item.key: decode(item.value) for item in body.items}
-    _write(factory, rdzv_id, node.id, lambda s, a: rendezvous.set_values(s, a, items))
+    _write(factory, rdzv_id, caller, lambda s, a: rendezvous.set_values(s, a, items))
     return StoreCount(value=len(items))
 
 
 @router.post("/{rdzv_id}/store/get", response_model=StoreValues)
 async def store_get(
-    rdzv_id: RdzvId, body: StoreGet, node: CallingNodeDep, factory: ReadFactoryDep
+    rdzv_id: RdzvId, body: StoreGet, caller: CallerDep, factory: ReadFactoryDep
 ) -> StoreValues:
     """The values of ``keys``, once all exist or after ``wait_s`` (at most ``MAX_WAIT_S``)
     with those that do; ``complete`` says which."""
@@ -112,7 +146,7 @@ async def store_get(
 
     def read() -> dict[str, bytes]:
         with transaction(factory) as session:
-            attempt_id = rendezvous.member_attempt(session, rdzv_id, node.id)
+            attempt_id = caller.attempt(session, rdzv_id)
             return rendezvous.values_of(session, attempt_id, body.keys)
 
     deadline = time.monotonic() + min(body.wait_s, MAX_WAIT_S)
@@ -127,23 +161,23 @@ async def store_get(
 
 @router.post("/{rdzv_id}/store/add", response_model=StoreCount)
 def store_add(
-    rdzv_id: RdzvId, body: StoreAdd, node: CallingNodeDep, factory: FactoryDep
+    rdzv_id: RdzvId, body: StoreAdd, caller: CallerDep, factory: FactoryDep
 ) -> StoreCount:
     count = _write(
-        factory, rdzv_id, node.id, lambda s, a: rendezvous.add(s, a, body.key, body.amount)
+        factory, rdzv_id, caller, lambda s, a: rendezvous.add(s, a, body.key, body.amount)
     )
     return StoreCount(value=count)
 
 
 @router.post("/{rdzv_id}/store/compare_set", response_model=StoreValue)
 def store_compare_set(
-    rdzv_id: RdzvId, body: StoreCompareSet, node: CallingNodeDep, factory: FactoryDep
+    rdzv_id: RdzvId, body: StoreCompareSet, caller: CallerDep, factory: FactoryDep
 ) -> StoreValue:
     expected, desired = decode(body.expected), decode(body.desired)
     value = _write(
         factory,
         rdzv_id,
-        node.id,
+        caller,
         lambda s, a: rendezvous.compare_set(s, a, body.key, expected, desired),
     )
     return StoreValue(value=encode(value))
@@ -151,15 +185,15 @@ def store_compare_set(
 
 @router.post("/{rdzv_id}/store/delete_key", response_model=StoreDeleted)
 def store_delete_key(
-    rdzv_id: RdzvId, body: StoreKey, node: CallingNodeDep, factory: FactoryDep
+    rdzv_id: RdzvId, body: StoreKey, caller: CallerDep, factory: FactoryDep
 ) -> StoreDeleted:
-    deleted = _write(factory, rdzv_id, node.id, lambda s, a: rendezvous.delete_key(s, a, body.key))
+    deleted = _write(factory, rdzv_id, caller, lambda s, a: rendezvous.delete_key(s, a, body.key))
     return StoreDeleted(deleted=deleted)
 
 
 @router.get("/{rdzv_id}/store/num_keys", response_model=StoreCount)
-def store_num_keys(rdzv_id: RdzvId, node: CallingNodeDep, session: ReadSessionDep) -> StoreCount:
-    attempt_id = rendezvous.member_attempt(session, rdzv_id, node.id)
+def store_num_keys(rdzv_id: RdzvId, caller: CallerDep, session: ReadSessionDep) -> StoreCount:
+    attempt_id = caller.attempt(session, rdzv_id)
     return StoreCount(value=rendezvous.num_keys(session, attempt_id))
 
 

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from contract.rendezvous import MEMBER_HEADER
 from service import rendezvous
 from service.db import transaction
 from service.models import RendezvousKey, RendezvousState, SnapshotWriter
 from service.reconciler import Reconciler
+from tests.helpers import FakeClock
 from tests.service.helpers import Cluster, bearer, heartbeat, register, report, submit
 
 
@@ -161,6 +163,44 @@ def test_a_node_joining_in_place_may_use_the_rendezvous(
     [joined] = heartbeat(api, b)
     assert joined["attempt_id"] == assignment["attempt_id"]
     assert api.get(f"{url}/state", headers=as_node(api, b)).status_code == 200
+
+
+def test_the_launcher_of_an_ended_membership_is_refused(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """A node dropped for silence and placed again in the same attempt runs two
+    launchers for a while: the old one, not yet stopped, must not touch the rendezvous
+    (torch closes it for everyone when a launcher ends), the new one must."""
+    a, b = register(api, "a"), register(api, "b")
+    submit(api, "1:2")  # one node is enough: b's loss is a membership change
+    reconciler.run_once()
+    [old] = heartbeat(api, b)
+    url = f"/api/v1/rendezvous/{old['rendezvous']['rdzv_id']}"
+    clock.advance(8)
+    heartbeat(api, a)
+    clock.advance(5)
+    reconciler.run_once()  # b lost
+    heartbeat(api, b)
+    reconciler.run_once()  # b back, placed again in the same attempt
+    [new] = heartbeat(api, b)
+    assert new["member_id"] != old["member_id"] and new["attempt_id"] == old["attempt_id"]
+
+    def as_member(member_id: Any) -> dict[str, str]:
+        return {**as_node(api, b), MEMBER_HEADER: str(member_id)}
+
+    close = {"state": b64(b"closed"), "version": None}
+    for r in (
+        api.get(f"{url}/state", headers=as_member(old["member_id"])),
+        api.post(f"{url}/state", json=close, headers=as_member(old["member_id"])),
+        api.post(
+            f"{url}/store/add", json={"key": "k", "amount": 1}, headers=as_member(old["member_id"])
+        ),
+    ):
+        assert r.status_code == 403, r.text
+        assert "has ended" in r.json()["detail"]
+    assert api.get(f"{url}/state", headers=as_member(new["member_id"])).status_code == 200
+    assert api.get(f"{url}/state", headers=as_node(api, b)).status_code == 200  # no header
+    assert api.get(f"{url}/state", headers=as_member("x")).status_code == 422
 
 
 def test_sizes_are_bounded(
