@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.sim_nodes import FleetStats, Rendezvous, SimNode, Training
-from bench.status_load import hammer, quantile
+from bench.status_load import quantile
 from service.local_cluster import LocalCluster, free_port
 
 console = Console()
@@ -212,6 +212,36 @@ def _read_phases(job_id: int) -> list[ReadPhase]:
     ]
 
 
+def poll(
+    url: str, token: str, path: str, conditional: bool, until: float
+) -> tuple[list[float], int, dict[str, int]]:
+    """One reader: GET ``path`` back to back until ``until`` (``time.time``), sending back
+    the last ETag if ``conditional``; its latencies (ms) of answered requests, the count of
+    304s, and what went wrong (a status other than 200 and 304, or an exception), by kind."""
+    latencies: list[float] = []
+    not_modified = 0
+    errors: dict[str, int] = {}
+    etag: str | None = None
+    headers = {"authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, timeout=60.0) as http:
+        while time.time() < until:
+            sent = {**headers, "if-none-match": etag} if conditional and etag else headers
+            start = time.perf_counter()
+            try:
+                response = http.get(path, headers=sent)
+            except httpx.HTTPError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                continue
+            latencies.append((time.perf_counter() - start) * 1000)
+            if response.status_code == 304:
+                not_modified += 1
+            elif response.status_code == 200:
+                etag = response.headers.get("etag")
+            else:
+                errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
+    return latencies, not_modified, errors
+
+
 def _read(
     pool: Any, url: str, token: str, phases: list[ReadPhase], options: Options, start: float
 ) -> list[dict[str, Any]]:
@@ -224,9 +254,12 @@ def _read(
         args = [(url, token, phase.path, phase.conditional, until)] * options.readers
         latencies: list[float] = []
         not_modified = 0
-        for lat, nm in pool.starmap(hammer, args):
+        errors: dict[str, int] = {}
+        for lat, nm, failed in pool.starmap(poll, args):
             latencies += lat
             not_modified += nm
+            for kind, count in failed.items():
+                errors[kind] = errors.get(kind, 0) + count
         seconds = max(time.time() - began, 1e-9)
         results.append(
             {
@@ -236,6 +269,7 @@ def _read(
                 "p50_ms": quantile(latencies, 0.5),
                 "p99_ms": quantile(latencies, 0.99),
                 "not_modified_share": not_modified / len(latencies) if latencies else 0.0,
+                "errors": errors,
             }
         )
     return results
@@ -429,7 +463,8 @@ def print_table(result: dict[str, Any]) -> None:
             read["phase"],
             f"{read['p50_ms']:.1f}",
             f"{read['p99_ms']:.1f}",
-            f"{read['per_s']:.0f} reads/s, {100 * read['not_modified_share']:.0f} % 304",
+            f"{read['per_s']:.0f} reads/s, {100 * read['not_modified_share']:.0f} % 304"
+            + (f"; errors {read['errors']}" if read["errors"] else ""),
         )
     console.print(table)
     jobs, ctl = result["jobs"], result["controller"]
