@@ -51,6 +51,8 @@ from service.local_cluster import LocalCluster, free_port
 console = Console()
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 JOBS_PER_USER = 100
+# What a node agent waits for an answer (worker.client's default) before it gives up.
+AGENT_TIMEOUT_S = 5.0
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
 RECONCILE_P99_TARGET_MS = 100.0
 HEARTBEAT_P99_TARGET_MS = 50.0
@@ -115,11 +117,14 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
 
 
 async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) -> dict[str, Any]:
-    connections = options.nodes + 32
+    connections = options.nodes + 8
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     assert cluster.admin_token is not None
     admin = {"authorization": f"Bearer {cluster.admin_token}"}
-    async with httpx.AsyncClient(base_url=cluster.url, timeout=120.0, limits=limits) as http:
+    async with (
+        httpx.AsyncClient(base_url=cluster.url, timeout=120.0) as http,
+        httpx.AsyncClient(base_url=cluster.url, timeout=AGENT_TIMEOUT_S, limits=limits) as fleet,
+    ):
         started = time.monotonic()
         job_ids = await _submit_jobs(http, admin, options.jobs)
         submit_s = time.monotonic() - started
@@ -128,7 +133,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         rendezvous = Rendezvous()
         token = cluster.enrolment_token
         nodes = [
-            SimNode(f"sim-{i:05d}", http, token, options.training, rendezvous, stats)
+            SimNode(f"sim-{i:05d}", fleet, token, options.training, rendezvous, stats)
             for i in range(options.nodes)
         ]
         started = time.monotonic()
@@ -146,7 +151,9 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             start = time.monotonic()
             until = start + options.seconds
             rss: list[int] = []
+            latest: list[tuple[float, Samples]] = []
             reads, *_ = await asyncio.gather(
+                _watch_metrics(http, metrics_token, until, latest),
                 asyncio.to_thread(
                     _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
                 ),
@@ -155,12 +162,34 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             )
             wall = time.monotonic() - start
             cpu, my_cpu = _cpu(controller) - cpu_before, _cpu(me) - my_cpu_before
-            after = await _scrape(http, metrics_token)
+            try:
+                after = await asyncio.wait_for(_scrape(http, metrics_token), 30.0)
+                metrics_s = time.monotonic() - start
+            except (httpx.HTTPError, TimeoutError) as exc:
+                if not latest:
+                    raise RuntimeError("the controller never answered /metrics") from exc
+                console.print(f"/metrics did not answer at the end ({exc!r}); the last scrape")
+                metrics_s, after = latest[-1][0] - start, latest[-1][1]
         finally:
             pool.terminate()
-    return _result(
+    result = _result(
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
+    result["reconcile"]["measured_over_s"] = metrics_s
+    return result
+
+
+async def _watch_metrics(
+    http: httpx.AsyncClient, token: str, until: float, latest: list[tuple[float, Samples]]
+) -> None:
+    """Scrape every 5 s until ``until``, keeping the last answer: a controller that stops
+    answering by the end still leaves what it measured until then."""
+    while time.monotonic() < until:
+        await asyncio.sleep(min(5.0, max(0.0, until - time.monotonic())))
+        try:
+            latest.append((time.monotonic(), await asyncio.wait_for(_scrape(http, token), 10.0)))
+        except (httpx.HTTPError, TimeoutError):
+            continue
 
 
 async def _bounded(limit: int, calls: list[Any]) -> list[Any]:
@@ -223,7 +252,7 @@ def poll(
     errors: dict[str, int] = {}
     etag: str | None = None
     headers = {"authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=url, timeout=60.0) as http:
+    with httpx.Client(base_url=url, timeout=30.0) as http:
         while time.time() < until:
             sent = {**headers, "if-none-match": etag} if conditional and etag else headers
             start = time.perf_counter()
@@ -385,6 +414,7 @@ def _result(
         },
         "heartbeat": {
             "count": len(stats.heartbeat_ms),
+            "timed_out": stats.heartbeat_timeouts,
             "per_s": len(stats.heartbeat_ms) / wall,
             "p50_ms": quantile(stats.heartbeat_ms, 0.5),
             "p99_ms": heartbeat_p99,
@@ -443,14 +473,20 @@ def print_table(result: dict[str, Any]) -> None:
         "reconcile pass (controller histogram)",
         f"{rec['p50_ms']:.0f}",
         f"{rec['p99_ms']:.0f}",
-        f"{rec['passes']:.0f} passes, mean {rec['mean_ms']:.0f} ms ({phases}); "
+        f"{rec['passes']:.0f} passes in {rec['measured_over_s']:.0f} s, "
+        f"mean {rec['mean_ms']:.0f} ms ({phases}); "
         f"{100 * rec['within_target']:.0f} % within {RECONCILE_P99_TARGET_MS:.0f} ms",
     )
     table.add_row(
         "heartbeat answer (nodes' side)",
         f"{hb['p50_ms']:.1f}",
         f"{hb['p99_ms']:.1f}",
-        f"{hb['per_s']:.0f}/s; controller's own mean {hb['server_mean_ms']:.1f} ms",
+        f"{hb['per_s']:.0f}/s; controller's own mean {hb['server_mean_ms']:.1f} ms"
+        + (
+            f"; {hb['timed_out']} unanswered in {AGENT_TIMEOUT_S:g} s (counted at that)"
+            if hb["timed_out"]
+            else ""
+        ),
     )
     table.add_row(
         "report answer (nodes' side)",

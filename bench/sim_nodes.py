@@ -65,6 +65,7 @@ class FleetStats:
     """What the nodes saw, client side."""
 
     heartbeat_ms: list[float] = field(default_factory=list)
+    heartbeat_timeouts: int = 0
     report_ms: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     runs_started: int = 0
@@ -115,13 +116,22 @@ class SimNode:
         self._finished: set[RunKey] = set()
         self._closing = False
 
-    async def register(self) -> None:
+    async def register(self, tries: int = 10) -> None:
+        """Register, retrying a controller that does not answer (as an agent does)."""
         body = NodeRegister(name=self.name, address="127.0.0.1", slots=1, pid=0)
-        response = await self._http.post(
-            f"{API}/nodes/register",
-            json=body.model_dump(mode="json"),
-            headers={"authorization": f"Bearer {self._enrolment_token}"},
-        )
+        for attempt in range(tries):
+            try:
+                response = await self._http.post(
+                    f"{API}/nodes/register",
+                    json=body.model_dump(mode="json"),
+                    headers={"authorization": f"Bearer {self._enrolment_token}"},
+                )
+                if response.status_code < 500 or attempt == tries - 1:
+                    break
+            except httpx.TransportError:
+                if attempt == tries - 1:
+                    raise
+            await asyncio.sleep(1.0)
         response.raise_for_status()
         registered = NodeRegistered.model_validate(response.json())
         self._node_id, self._token = registered.node_id, registered.node_token
@@ -151,6 +161,12 @@ class SimNode:
                 json=Heartbeat(running=running).model_dump(mode="json"),
                 headers=self._auth,
             )
+        except httpx.TimeoutException as exc:
+            # Unanswered within the agent's timeout: counted at what it waited, a lower bound.
+            self._stats.heartbeat_ms.append((time.perf_counter() - start) * 1000)
+            self._stats.heartbeat_timeouts += 1
+            self._stats.error(f"heartbeat {type(exc).__name__}")
+            return
         except httpx.HTTPError as exc:
             self._stats.error(f"heartbeat {type(exc).__name__}")
             return
