@@ -153,10 +153,10 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             rss: list[int] = []
             latest: list[tuple[float, Samples]] = []
             reads, *_ = await asyncio.gather(
-                _watch_metrics(http, metrics_token, until, latest),
                 asyncio.to_thread(
                     _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
                 ),
+                _watch_metrics(http, metrics_token, until, latest),
                 _sample_rss(controller, until, rss),
                 *(node.serve(until) for node in nodes),
             )
