@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import re
 import secrets
 import tempfile
 import time
@@ -166,17 +167,34 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 after = await asyncio.wait_for(_scrape(http, metrics_token), 30.0)
                 metrics_s = time.monotonic() - start
             except (httpx.HTTPError, TimeoutError) as exc:
-                if not latest:
-                    raise RuntimeError("the controller never answered /metrics") from exc
-                console.print(f"/metrics did not answer at the end ({exc!r}); the last scrape")
-                metrics_s, after = latest[-1][0] - start, latest[-1][1]
+                console.print(f"/metrics did not answer at the end ({exc!r})")
+                # The last scrape that answered; none: nothing of the controller's own.
+                metrics_s, after = (latest[-1][0] - start, latest[-1][1]) if latest else (0, before)
         finally:
             pool.terminate()
     result = _result(
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
     result["reconcile"]["measured_over_s"] = metrics_s
+    result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     return result
+
+
+SLOW_PASS = re.compile(r"slow reconciler pass: ([0-9.]+) s \((.*?)\) over (\d+) nodes and (\d+)")
+
+
+def slow_passes(cluster: LocalCluster) -> dict[str, Any]:
+    """The reconciler's own lines about passes slower than its interval: what is known of
+    the passes even when /metrics no longer answers."""
+    log = (cluster.log_dir or cluster.data_dir) / "controller.log"
+    found = [SLOW_PASS.search(line) for line in log.read_text(errors="replace").splitlines()]
+    seconds = [float(m.group(1)) for m in found if m]
+    return {
+        "count": len(seconds),
+        "p50_s": quantile(seconds, 0.5),
+        "max_s": max(seconds, default=float("nan")),
+        "last": next((m.group(0) for m in reversed(found) if m), ""),
+    }
 
 
 async def _watch_metrics(
@@ -503,6 +521,13 @@ def print_table(result: dict[str, Any]) -> None:
             + (f"; errors {read['errors']}" if read["errors"] else ""),
         )
     console.print(table)
+    slow = rec["slow_passes_logged"]
+    if slow["count"]:
+        console.print(
+            f"the controller logged {slow['count']} passes slower than its interval (whole "
+            f"run, set-up included): median {slow['p50_s']:.1f} s, longest {slow['max_s']:.1f} "
+            f"s; the last: {slow['last']}"
+        )
     jobs, ctl = result["jobs"], result["controller"]
     by_state = ", ".join(f"{k} {v:.0f}" for k, v in jobs["by_state_at_end"].items() if v)
     console.print(

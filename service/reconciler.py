@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -253,17 +254,37 @@ def utcnow() -> datetime:
 
 
 class _PhaseTimer:
-    """Times the phases of one pass into ``relaunch_reconcile_phase_seconds``."""
+    """Times the phases of one pass into ``relaunch_reconcile_phase_seconds``, and keeps
+    them (``seconds``) for the log line of a slow pass."""
 
     def __init__(self, metrics: ControllerMetrics | None) -> None:
         self._metrics = metrics
         self._since = time.perf_counter()
+        self.seconds: dict[str, float] = {}
 
     def done(self, phase: str) -> None:
         now = time.perf_counter()
+        self.seconds[phase] = now - self._since
         if self._metrics is not None:
-            self._metrics.reconcile_phase.labels(phase).observe(now - self._since)
+            self._metrics.reconcile_phase.labels(phase).observe(self.seconds[phase])
         self._since = now
+
+    def describe_slow(self, limit_s: float, nodes: int, jobs: int, actions: list[Action]) -> None:
+        """Log the pass if it took longer than ``limit_s`` (its interval): where the time
+        went, and what it did, by kind of action."""
+        total = sum(self.seconds.values())
+        if total <= limit_s:
+            return
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.seconds.items())
+        kinds = Counter(type(a).__name__ for a in actions)
+        logger.info(
+            "slow reconciler pass: %.2f s (%s) over %d nodes and %d open jobs; actions: %s",
+            total,
+            phases,
+            nodes,
+            jobs,
+            ", ".join(f"{kind} {count}" for kind, count in kinds.most_common()) or "none",
+        )
 
 
 class Reconciler:
@@ -338,6 +359,7 @@ class Reconciler:
             except StaleState as exc:
                 logger.info("skipped %s: %s", action, exc)
         phase.done("apply")
+        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
         return actions
 
     def _lead(self, now: datetime) -> Leadership | None:
