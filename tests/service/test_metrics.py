@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from service.api.app import create_app
 from service.models import Role
@@ -150,3 +152,8 @@ def test_reports_move_snapshots_and_restarts(api: Cluster, reconciler: Reconcile
     assert value(samples, "relaunch_job_restarts_total") == 1
     assert value(samples, "relaunch_job_membership_changes_total") == 0
     assert api.get(f"/api/v1/jobs/{job_id}").json()["restart_count"] == 1
+
+
+def test_a_short_scrape_token_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="at least 24 characters"):
+        ControllerSettings(data_dir=tmp_path, metrics_token=SecretStr("short"))
