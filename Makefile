@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint postgres browser bench bench-snapshots bench-status clean
+.PHONY: install demo test test-fast lint postgres browser bench bench-snapshots bench-status \
+	bench-control-plane clean
 
 install: $(VENV)/.installed
 
@@ -54,6 +55,10 @@ bench-snapshots: install
 
 bench-status: install
 	$(PY) -m bench.status_load
+
+# The issue's size: 1,000 simulated nodes and 10,000 queued jobs on PostgreSQL, for 60 s.
+bench-control-plane: install postgres
+	$(PY) -m bench.control_plane --nodes 1000 --jobs 10000 --db postgresql --seconds 60
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

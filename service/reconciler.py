@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -31,6 +33,7 @@ from service.errors import StaleState
 from service.job_events import add_event
 from service.jobs import change_job_state, explain_waiting, get_job
 from service.leader import Leadership, LeaseLost, acquire, hold, release
+from service.metrics import ControllerMetrics
 from service.models import Attempt, AttemptMember, Job, Node
 from service.nodes import mark_lost
 from service.settings import ControllerSettings
@@ -250,6 +253,40 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class _PhaseTimer:
+    """Times the phases of one pass into ``relaunch_reconcile_phase_seconds``, and keeps
+    them (``seconds``) for the log line of a slow pass."""
+
+    def __init__(self, metrics: ControllerMetrics | None) -> None:
+        self._metrics = metrics
+        self._since = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._since
+        if self._metrics is not None:
+            self._metrics.reconcile_phase.labels(phase).observe(self.seconds[phase])
+        self._since = now
+
+    def describe_slow(self, limit_s: float, nodes: int, jobs: int, actions: list[Action]) -> None:
+        """Log the pass if it took longer than ``limit_s`` (its interval): where the time
+        went, and what it did, by kind of action."""
+        total = sum(self.seconds.values())
+        if total <= limit_s:
+            return
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.seconds.items())
+        kinds = Counter(type(a).__name__ for a in actions)
+        logger.info(
+            "slow reconciler pass: %.2f s (%s) over %d nodes and %d open jobs; actions: %s",
+            total,
+            phases,
+            nodes,
+            jobs,
+            ", ".join(f"{kind} {count}" for kind, count in kinds.most_common()) or "none",
+        )
+
+
 class Reconciler:
     """Runs ``plan`` against the database every ``interval`` and applies the actions."""
 
@@ -258,8 +295,10 @@ class Reconciler:
         factory: sessionmaker[Session],
         settings: ControllerSettings,
         clock: Callable[[], datetime] = utcnow,
+        metrics: ControllerMetrics | None = None,
     ) -> None:
         self._factory = factory
+        self._metrics = metrics
         self._settings = settings
         self._clock = clock
         self._stop = threading.Event()
@@ -277,19 +316,37 @@ class Reconciler:
         return self._leadership is not None
 
     def run_once(self) -> list[Action]:
-        """One pass: renew (or take) the lease, then plan and apply; a standby does nothing."""
+        """One pass: renew (or take) the lease, then plan and apply; a standby does nothing.
+        A leader's pass is timed into ``relaunch_reconcile_pass_seconds``, lease included."""
+        started = time.perf_counter()
         now = self._clock()
         node_timeout = timedelta(seconds=self._settings.node_timeout_s)
         leadership = self._lead(now)
+        if self._metrics is not None:
+            self._metrics.leader.set(0 if leadership is None else 1)
         if leadership is None:
             return []
+        actions = self._plan_and_apply(leadership, now, node_timeout)
+        if self._metrics is not None:
+            self._metrics.reconcile_pass.observe(time.perf_counter() - started)
+            self._metrics.leader.set(0 if self._leadership is None else 1)
+            for action in actions:
+                self._metrics.reconcile_actions.labels(type(action).__name__).inc()
+        return actions
+
+    def _plan_and_apply(
+        self, leadership: Leadership, now: datetime, node_timeout: timedelta
+    ) -> list[Action]:
+        phase = _PhaseTimer(self._metrics)
         with transaction(self._factory) as session:
             nodes, jobs = load_views(session)
+        phase.done("load")
         nodes = [
             replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
             for n in nodes
         ]
         actions = plan(now, nodes, jobs, node_timeout)
+        phase.done("plan")
         for action in actions:
             try:
                 with transaction(self._factory) as session:
@@ -301,6 +358,8 @@ class Reconciler:
                 break
             except StaleState as exc:
                 logger.info("skipped %s: %s", action, exc)
+        phase.done("apply")
+        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
         return actions
 
     def _lead(self, now: datetime) -> Leadership | None:

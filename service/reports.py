@@ -43,7 +43,10 @@ from service.states import AttemptState, JobState, MemberState
 logger = logging.getLogger(__name__)
 
 
-def handle_report(session: Session, node_id: int, report: AttemptReport, now: datetime) -> None:
+def handle_report(session: Session, node_id: int, report: AttemptReport, now: datetime) -> bool:
+    """Apply ``report``; whether its events were applied (False: only the late exit of an
+    attempt that is over for the node was recorded). ``Fenced`` if the node may not
+    report on the attempt."""
     node = get_node(session, node_id)
     attempt = session.get(Attempt, report.attempt_id)
     member = find_member(session, report.attempt_id, node_id, report.member_id) if attempt else None
@@ -53,7 +56,7 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
     if not live:
         if report.exit is not None:
             _record_stale_exit(session, member, report.exit, now)
-            return
+            return False
         cancelled = attempt.job.state is JobState.CANCELLED
         reason = StopReason.CANCELLED if cancelled else StopReason.FENCED
         raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it", reason)
@@ -64,6 +67,7 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
         _apply_event(event.data, _Applied(session, job, attempt, node, event.time, now, changed))
     if report.exit is not None:
         _apply_exit(session, job, member, report.exit, now)
+    return True
 
 
 def _store_logs(

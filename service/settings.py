@@ -78,6 +78,11 @@ class ControllerSettings(BaseSettings):
         "production leave it unset and give each node a per-node enrolment token "
         "(relaunch nodes token create). Unset: only per-node tokens admit nodes",
     )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="A secret that lets a scraper read /metrics ('Authorization: Bearer "
+        "<token>') and nothing else. Unset: /metrics answers an admin's API token only",
+    )
     secrets_key_file: Path | None = Field(
         default=None,
         description="File of the keys that encrypt jobs' env values at rest (one Fernet key a "
@@ -114,7 +119,7 @@ class ControllerSettings(BaseSettings):
     rdzv_keep_alive_interval_s: int = Field(default=2, ge=1, le=60)
     rdzv_keep_alive_max_attempt: int = Field(default=3, ge=1, le=100)
 
-    @field_validator("enrolment_token")
+    @field_validator("enrolment_token", "metrics_token")
     @classmethod
     def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value()) < 24:

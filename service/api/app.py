@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import ReportRefused
 from service import auth
-from service.api import enrolment, health, jobs, nodes, rendezvous, users
+from service.api import enrolment, health, jobs, metrics, nodes, rendezvous, users
 from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
 from service.db import (
@@ -39,6 +39,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
+from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.schemas import Problem
 from service.secrets import Keyring, SecretsKeyError, load_keyring, uses_default_key_file
@@ -80,6 +81,7 @@ def create_app(
     factory = make_session_factory(engine)
     read_engine = make_read_engine(settings.db_url, engine)
     read_factory = make_session_factory(read_engine)
+    controller_metrics = ControllerMetrics(read_factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,7 +94,7 @@ def create_app(
             announce_first_admin(first_token)
         if settings.snapshots_are_local:
             Path(settings.snapshots).mkdir(parents=True, exist_ok=True)
-        reconciler = Reconciler(factory, settings, clock)
+        reconciler = Reconciler(factory, settings, clock, controller_metrics)
         if run_background:
             reconciler.start()
         logger.info("controller ready on %s:%s", settings.host, settings.port)
@@ -116,7 +118,9 @@ def create_app(
     app.state.read_session_factory = read_factory
     app.state.clock = clock
     app.state.engine = engine
+    app.state.metrics = controller_metrics
     app.include_router(health.router)
+    app.include_router(metrics.router)
     for router in (
         jobs.router,
         nodes.router,
@@ -128,6 +132,13 @@ def create_app(
         app.include_router(router, prefix=API_PREFIX, responses=REFUSALS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ConditionalGet, prefix=API_PREFIX)
+    # Outermost, so that it times what the other layers add and sees their refusals.
+    app.add_middleware(
+        RequestMetrics,
+        metrics=controller_metrics,
+        api_prefix=API_PREFIX,
+        heartbeat_route=f"{API_PREFIX}/nodes/{{node_id}}/heartbeat",
+    )
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
 
     @app.get("/", include_in_schema=False)

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import auth
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
+from service.metrics import ControllerMetrics
 from service.models import Node, Role, User
 from service.secrets import Keyring
 from service.settings import ControllerSettings
@@ -53,6 +54,11 @@ def get_now(request: Request) -> datetime:
     return clock()
 
 
+def get_metrics(request: Request) -> ControllerMetrics:
+    metrics: ControllerMetrics = request.app.state.metrics
+    return metrics
+
+
 def get_session_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     return factory
@@ -67,6 +73,7 @@ KeyringDep = Annotated[Keyring, Depends(get_keyring)]
 FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 ReadFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_factory)]
+MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1

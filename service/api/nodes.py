@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from contract.events import SnapshotSaved
 from contract.protocol import (
     AttemptReport,
     Heartbeat,
@@ -25,6 +26,7 @@ from service.api.deps import (
     EnrolmentDep,
     FactoryDep,
     KeyringDep,
+    MetricsDep,
     NodeDep,
     NowDep,
     Offset,
@@ -73,9 +75,13 @@ def heartbeat(
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)
-def report(node: NodeDep, body: AttemptReport, factory: FactoryDep, now: NowDep) -> ReportAccepted:
+def report(
+    node: NodeDep, body: AttemptReport, factory: FactoryDep, now: NowDep, metrics: MetricsDep
+) -> ReportAccepted:
     """409 means fenced (stop the attempt); 503 means retry later."""
-    retry_on_stale(factory, lambda s: reports.handle_report(s, node.id, body, now))
+    applied = retry_on_stale(factory, lambda s: reports.handle_report(s, node.id, body, now))
+    if applied:  # committed: a retried report is counted once
+        metrics.observe_snapshots(e.data for e in body.events if isinstance(e.data, SnapshotSaved))
     return ReportAccepted(accepted=True)
 
 

@@ -1,0 +1,597 @@
+"""Control plane under load: many simulated nodes and a deep queue against one controller.
+
+A real controller process (as ``service.local_cluster`` starts it) on SQLite or
+PostgreSQL; ``--jobs`` jobs (nnodes 1:2, spread over users of 100 jobs each) are
+submitted and queue; ``--nodes`` simulated node agents (``bench.sim_nodes``: the
+real node protocol over HTTP, no torch) register, heartbeat at the controller's
+interval, run what they are assigned and report on it until it succeeds. For
+``--seconds`` it measures:
+
+- the reconciler's pass time, from the controller's own histogram
+  (``relaunch_reconcile_pass_seconds``, the delta over the run): p50 and p99 as
+  Prometheus' ``histogram_quantile`` estimates them from the buckets, the mean
+  exactly, and the share of passes within the target (a bucket bound, so exact);
+- the heartbeat's answer time as the nodes see it (each request timed);
+- reads of the job list and of one job's detail, plain and with If-None-Match, by
+  ``--readers`` polling processes, a quarter of the run each;
+- the controller's CPU (share of one core) and its resident memory.
+
+    python -m bench.control_plane --nodes 200 --jobs 2000 --db sqlite --seconds 60 \\
+        --json control-plane.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import re
+import secrets
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import psycopg
+from cryptography.fernet import Fernet
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from bench.sim_nodes import FleetStats, Rendezvous, SimNode, Training
+from bench.status_load import quantile
+from service.local_cluster import LocalCluster, free_port
+
+console = Console()
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+JOBS_PER_USER = 100
+# What a node agent waits for an answer (worker.client's default) before it gives up.
+AGENT_TIMEOUT_S = 5.0
+# The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
+RECONCILE_P99_TARGET_MS = 100.0
+HEARTBEAT_P99_TARGET_MS = 50.0
+
+
+@dataclass(frozen=True)
+class Options:
+    nodes: int = 20
+    jobs: int = 100
+    db: str = "sqlite"
+    seconds: float = 30.0
+    readers: int = 1
+    training: Training = field(default_factory=Training)
+    pg_admin_url: str = PG_ADMIN_URL
+    work_dir: Path | None = None  # kept, with the controller's log; default: a temporary one
+
+
+@dataclass(frozen=True)
+class ReadPhase:
+    name: str
+    path: str
+    conditional: bool
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def run(options: Options) -> dict[str, Any]:
+    """Start a controller, load it as ``options`` says, and return what was measured."""
+    with tempfile.TemporaryDirectory(prefix="relaunch-bench-cp-") as temporary:
+        work = options.work_dir or Path(temporary)
+        metrics_token = secrets.token_urlsafe(32)
+        with started_controller(options, work, metrics_token) as cluster:
+            result = asyncio.run(_measure(cluster, options, metrics_token))
+    result["options"] = {
+        k: v for k, v in asdict(options).items() if k not in ("pg_admin_url", "work_dir")
+    }
+    return result
+
+
+@contextmanager
+def started_controller(options: Options, work: Path, metrics_token: str) -> Iterator[LocalCluster]:
+    """A controller on a database of its own (PostgreSQL: a fresh one, dropped after)."""
+    env = {"RELAUNCH_METRICS_TOKEN": metrics_token}
+    database = None
+    if options.db == "postgresql":
+        database = f"relaunch_bench_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(options.pg_admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{database}"')
+        env["RELAUNCH_DATABASE_URL"] = f"{options.pg_admin_url.rsplit('/', 1)[0]}/{database}"
+        env["RELAUNCH_SECRETS_KEYS"] = Fernet.generate_key().decode()
+    (work / "controller").mkdir(mode=0o700, parents=True, exist_ok=True)
+    cluster = LocalCluster(data_dir=work / "controller", port=free_port())
+    try:
+        cluster.start_controller(env)
+        yield cluster
+    finally:
+        cluster.stop_all()
+        if database is not None:
+            with psycopg.connect(options.pg_admin_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) -> dict[str, Any]:
+    connections = options.nodes + 8
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    assert cluster.admin_token is not None
+    admin = {"authorization": f"Bearer {cluster.admin_token}"}
+    async with (
+        httpx.AsyncClient(base_url=cluster.url, timeout=120.0) as http,
+        httpx.AsyncClient(base_url=cluster.url, timeout=AGENT_TIMEOUT_S, limits=limits) as fleet,
+    ):
+        started = time.monotonic()
+        job_ids = await _submit_jobs(http, admin, options.jobs)
+        submit_s = time.monotonic() - started
+
+        stats = FleetStats()
+        rendezvous = Rendezvous()
+        token = cluster.enrolment_token
+        nodes = [
+            SimNode(f"sim-{i:05d}", fleet, token, options.training, rendezvous, stats)
+            for i in range(options.nodes)
+        ]
+        started = time.monotonic()
+        await _bounded(32, [node.register() for node in nodes])
+        register_s = time.monotonic() - started
+
+        controller = psutil.Process(cluster.procs["controller"].pid)
+        me = psutil.Process()
+        phases = _read_phases(job_ids[0])
+        pool = multiprocessing.get_context("spawn").Pool(options.readers)
+        try:
+            pool.starmap(time.sleep, [(0,)] * options.readers)  # the readers are up
+            before = await _scrape(http, metrics_token)
+            cpu_before, my_cpu_before = _cpu(controller), _cpu(me)
+            start = time.monotonic()
+            until = start + options.seconds
+            rss: list[int] = []
+            latest: list[tuple[float, Samples]] = []
+            reads, *_ = await asyncio.gather(
+                asyncio.to_thread(
+                    _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
+                ),
+                _watch_metrics(http, metrics_token, until, latest),
+                _sample_rss(controller, until, rss),
+                *(node.serve(until) for node in nodes),
+            )
+            wall = time.monotonic() - start
+            cpu, my_cpu = _cpu(controller) - cpu_before, _cpu(me) - my_cpu_before
+            try:
+                after = await asyncio.wait_for(_scrape(http, metrics_token), 30.0)
+                metrics_s = time.monotonic() - start
+            except (httpx.HTTPError, TimeoutError) as exc:
+                console.print(f"/metrics did not answer at the end ({exc!r})")
+                # The last scrape that answered; none: nothing of the controller's own.
+                metrics_s, after = (latest[-1][0] - start, latest[-1][1]) if latest else (0, before)
+        finally:
+            pool.terminate()
+    result = _result(
+        before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
+    )
+    result["reconcile"]["measured_over_s"] = metrics_s
+    result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
+    return result
+
+
+SLOW_PASS = re.compile(r"slow reconciler pass: ([0-9.]+) s \((.*?)\) over (\d+) nodes and (\d+)")
+
+
+def slow_passes(cluster: LocalCluster) -> dict[str, Any]:
+    """The reconciler's own lines about passes slower than its interval: what is known of
+    the passes even when /metrics no longer answers."""
+    log = (cluster.log_dir or cluster.data_dir) / "controller.log"
+    found = [SLOW_PASS.search(line) for line in log.read_text(errors="replace").splitlines()]
+    seconds = [float(m.group(1)) for m in found if m]
+    return {
+        "count": len(seconds),
+        "p50_s": quantile(seconds, 0.5),
+        "max_s": max(seconds, default=float("nan")),
+        "last": next((m.group(0) for m in reversed(found) if m), ""),
+    }
+
+
+async def _watch_metrics(
+    http: httpx.AsyncClient, token: str, until: float, latest: list[tuple[float, Samples]]
+) -> None:
+    """Scrape every 5 s until ``until``, keeping the last answer: a controller that stops
+    answering by the end still leaves what it measured until then."""
+    while time.monotonic() < until:
+        await asyncio.sleep(min(5.0, max(0.0, until - time.monotonic())))
+        try:
+            latest.append((time.monotonic(), await asyncio.wait_for(_scrape(http, token), 10.0)))
+        except (httpx.HTTPError, TimeoutError):
+            continue
+
+
+async def _bounded(limit: int, calls: list[Any]) -> list[Any]:
+    """Await ``calls`` with at most ``limit`` under way at once."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call: Any) -> Any:
+        async with gate:
+            return await call
+
+    return await asyncio.gather(*(one(c) for c in calls))
+
+
+async def _submit_jobs(http: httpx.AsyncClient, admin: dict[str, str], count: int) -> list[int]:
+    """Submit ``count`` jobs, queued: ``JOBS_PER_USER`` per user, each user made by the
+    admin (the per-user limits are checked against the user's own unfinished jobs)."""
+    tokens = []
+    for number in range((count + JOBS_PER_USER - 1) // JOBS_PER_USER):
+        body = {"name": f"bench-{number}", "max_active_jobs": 100_000, "max_nodes": 1_000_000}
+        response = await http.post("/api/v1/users", json=body, headers=admin)
+        response.raise_for_status()
+        tokens.append(response.json()["token"]["secret"])
+
+    async def submit(number: int) -> int:
+        spec = {
+            "name": f"bench-{number}",
+            "task": {"name": "regression", "params": {"epochs": 1}},
+            "nnodes": "1:2",
+            "snapshot": {"every_steps": 5},
+        }
+        token = tokens[number // JOBS_PER_USER]
+        response = await http.post(
+            "/api/v1/jobs", json=spec, headers={"authorization": f"Bearer {token}"}
+        )
+        response.raise_for_status()
+        job_id: int = response.json()["id"]
+        return job_id
+
+    return await _bounded(8, [submit(n) for n in range(count)])
+
+
+def _read_phases(job_id: int) -> list[ReadPhase]:
+    detail = f"/api/v1/jobs/{job_id}"
+    return [
+        ReadPhase("job list", "/api/v1/jobs", conditional=False),
+        ReadPhase("job list, If-None-Match", "/api/v1/jobs", conditional=True),
+        ReadPhase("job detail", detail, conditional=False),
+        ReadPhase("job detail, If-None-Match", detail, conditional=True),
+    ]
+
+
+def poll(
+    url: str, token: str, path: str, conditional: bool, until: float
+) -> tuple[list[float], int, dict[str, int]]:
+    """One reader: GET ``path`` back to back until ``until`` (``time.time``), sending back
+    the last ETag if ``conditional``; its latencies (ms) of answered requests, the count of
+    304s, and what went wrong (a status other than 200 and 304, or an exception), by kind."""
+    latencies: list[float] = []
+    not_modified = 0
+    errors: dict[str, int] = {}
+    etag: str | None = None
+    headers = {"authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        while time.time() < until:
+            sent = {**headers, "if-none-match": etag} if conditional and etag else headers
+            start = time.perf_counter()
+            try:
+                response = http.get(path, headers=sent)
+            except httpx.HTTPError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                continue
+            latencies.append((time.perf_counter() - start) * 1000)
+            if response.status_code == 304:
+                not_modified += 1
+            elif response.status_code == 200:
+                etag = response.headers.get("etag")
+            else:
+                errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
+    return latencies, not_modified, errors
+
+
+def _read(
+    pool: Any, url: str, token: str, phases: list[ReadPhase], options: Options, start: float
+) -> list[dict[str, Any]]:
+    """Each phase for a quarter of the run, by ``options.readers`` polling processes."""
+    results = []
+    length = options.seconds / len(phases)
+    for number, phase in enumerate(phases):
+        until = start + (number + 1) * length
+        began = time.time()
+        args = [(url, token, phase.path, phase.conditional, until)] * options.readers
+        latencies: list[float] = []
+        not_modified = 0
+        errors: dict[str, int] = {}
+        for lat, nm, failed in pool.starmap(poll, args):
+            latencies += lat
+            not_modified += nm
+            for kind, count in failed.items():
+                errors[kind] = errors.get(kind, 0) + count
+        seconds = max(time.time() - began, 1e-9)
+        results.append(
+            {
+                "phase": phase.name,
+                "requests": len(latencies),
+                "per_s": len(latencies) / seconds,
+                "p50_ms": quantile(latencies, 0.5),
+                "p99_ms": quantile(latencies, 0.99),
+                "not_modified_share": not_modified / len(latencies) if latencies else 0.0,
+                "errors": errors,
+            }
+        )
+    return results
+
+
+async def _sample_rss(process: psutil.Process, until: float, into: list[int]) -> None:
+    while time.monotonic() < until:
+        into.append(process.memory_info().rss)
+        await asyncio.sleep(1.0)
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+async def _scrape(http: httpx.AsyncClient, token: str) -> Samples:
+    response = await http.get("/metrics", headers={"authorization": f"Bearer {token}"})
+    response.raise_for_status()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def _delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def buckets(before: Samples, after: Samples, name: str, **labels: str) -> list[tuple[float, float]]:
+    """The histogram ``name``'s cumulative buckets over the run: (upper bound, count)."""
+    found = []
+    for (sample, sample_labels), count in after.items():
+        values = dict(sample_labels)
+        if sample != f"{name}_bucket" or any(values.get(k) != v for k, v in labels.items()):
+            continue
+        bound = float(values["le"])
+        found.append((bound, count - before.get((sample, sample_labels), 0.0)))
+    return sorted(found)
+
+
+def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float:
+    """Prometheus' estimate: linear within the bucket the rank falls in; the largest
+    finite bound if it falls in +Inf; NaN with no observations."""
+    if not cumulative or cumulative[-1][1] <= 0:
+        return float("nan")
+    rank = q * cumulative[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in cumulative:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def share_within(cumulative: list[tuple[float, float]], bound: float) -> float:
+    """The share of observations at most ``bound`` (exact when it is a bucket bound)."""
+    total = cumulative[-1][1] if cumulative else 0.0
+    within = next((count for b, count in cumulative if b >= bound), total)
+    return within / total if total else float("nan")
+
+
+def _result(
+    before: Samples,
+    after: Samples,
+    stats: FleetStats,
+    reads: list[dict[str, Any]],
+    wall: float,
+    cpu: float,
+    my_cpu: float,
+    rss: list[int],
+    submit_s: float,
+    register_s: float,
+    options: Options,
+) -> dict[str, Any]:
+    passes = buckets(before, after, "relaunch_reconcile_pass_seconds")
+    passes_n = _delta(before, after, "relaunch_reconcile_pass_seconds_count")
+    pass_sum = _delta(before, after, "relaunch_reconcile_pass_seconds_sum")
+    phases = {}
+    for phase in ("load", "plan", "apply"):
+        n = _delta(before, after, "relaunch_reconcile_phase_seconds_count", phase=phase)
+        s = _delta(before, after, "relaunch_reconcile_phase_seconds_sum", phase=phase)
+        phases[phase] = 1000 * s / n if n else float("nan")
+    actions = {
+        dict(labels)["action"]: _delta(before, after, name, **dict(labels))
+        for (name, labels) in after
+        if name == "relaunch_reconcile_actions_total"
+    }
+    heartbeat_server = _delta(before, after, "relaunch_heartbeat_seconds_sum")
+    heartbeat_server_n = _delta(before, after, "relaunch_heartbeat_seconds_count")
+    states = ("PENDING", "WAITING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
+    reconcile_p99 = 1000 * histogram_quantile(0.99, passes)
+    heartbeat_p99 = quantile(stats.heartbeat_ms, 0.99)
+    return {
+        "seconds": wall,
+        "setup": {
+            "submit_s": submit_s,
+            "submits_per_s": options.jobs / submit_s if submit_s else float("nan"),
+            "register_s": register_s,
+        },
+        "reconcile": {
+            "passes": passes_n,
+            "p50_ms": 1000 * histogram_quantile(0.5, passes),
+            "p99_ms": reconcile_p99,
+            "mean_ms": 1000 * pass_sum / passes_n if passes_n else float("nan"),
+            "within_target": share_within(passes, RECONCILE_P99_TARGET_MS / 1000),
+            "phase_mean_ms": phases,
+            "actions": actions,
+        },
+        "heartbeat": {
+            "count": len(stats.heartbeat_ms),
+            "timed_out": stats.heartbeat_timeouts,
+            "per_s": len(stats.heartbeat_ms) / wall,
+            "p50_ms": quantile(stats.heartbeat_ms, 0.5),
+            "p99_ms": heartbeat_p99,
+            "server_mean_ms": 1000 * heartbeat_server / heartbeat_server_n
+            if heartbeat_server_n
+            else float("nan"),
+        },
+        "reports": {
+            "count": len(stats.report_ms),
+            "p50_ms": quantile(stats.report_ms, 0.5),
+            "p99_ms": quantile(stats.report_ms, 0.99),
+        },
+        "reads": reads,
+        "jobs": {
+            "placed": len(stats.jobs_placed),
+            "runs_started": stats.runs_started,
+            "runs_succeeded": stats.runs_succeeded,
+            "runs_fenced": stats.runs_fenced,
+            "runs_stopped": stats.runs_stopped,
+            "by_state_at_end": {
+                s: after.get(("relaunch_jobs", frozenset({("state", s)})), 0.0) for s in states
+            },
+        },
+        "nodes_by_state_at_end": {
+            s: after.get(("relaunch_nodes", frozenset({("state", s)})), 0.0)
+            for s in ("ALIVE", "LOST", "LEFT")
+        },
+        "controller": {
+            "cpu_share_of_one_core": cpu / wall,
+            "rss_mib_max": max(rss, default=0) / 2**20,
+            "rss_mib_end": (rss[-1] if rss else 0) / 2**20,
+        },
+        "bench_client_cpu_share_of_one_core": my_cpu / wall,
+        "errors": stats.errors,
+        "targets": {
+            "reconcile_p99_ms": RECONCILE_P99_TARGET_MS,
+            "reconcile_p99_met": reconcile_p99 <= RECONCILE_P99_TARGET_MS,
+            "heartbeat_p99_ms": HEARTBEAT_P99_TARGET_MS,
+            "heartbeat_p99_met": heartbeat_p99 <= HEARTBEAT_P99_TARGET_MS,
+        },
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    o = result["options"]
+    table = Table(
+        title=f"control plane: {o['nodes']} nodes, {o['jobs']} jobs (1:2), {o['db']}, "
+        f"{result['seconds']:.0f} s"
+    )
+    for column, justify in (("measure", "left"), ("p50 ms", "right"), ("p99 ms", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table.add_column("more", justify="left")
+    rec, hb, rep = result["reconcile"], result["heartbeat"], result["reports"]
+    phases = ", ".join(f"{k} {v:.0f}" for k, v in rec["phase_mean_ms"].items())
+    table.add_row(
+        "reconcile pass (controller histogram)",
+        f"{rec['p50_ms']:.0f}",
+        f"{rec['p99_ms']:.0f}",
+        f"{rec['passes']:.0f} passes in {rec['measured_over_s']:.0f} s, "
+        f"mean {rec['mean_ms']:.0f} ms ({phases}); "
+        f"{100 * rec['within_target']:.0f} % within {RECONCILE_P99_TARGET_MS:.0f} ms",
+    )
+    table.add_row(
+        "heartbeat answer (nodes' side)",
+        f"{hb['p50_ms']:.1f}",
+        f"{hb['p99_ms']:.1f}",
+        f"{hb['per_s']:.0f}/s; controller's own mean {hb['server_mean_ms']:.1f} ms"
+        + (
+            f"; {hb['timed_out']} unanswered in {AGENT_TIMEOUT_S:g} s (counted at that)"
+            if hb["timed_out"]
+            else ""
+        ),
+    )
+    table.add_row(
+        "report answer (nodes' side)",
+        f"{rep['p50_ms']:.1f}",
+        f"{rep['p99_ms']:.1f}",
+        f"{rep['count']} reports",
+    )
+    for read in result["reads"]:
+        table.add_row(
+            read["phase"],
+            f"{read['p50_ms']:.1f}",
+            f"{read['p99_ms']:.1f}",
+            f"{read['per_s']:.0f} reads/s, {100 * read['not_modified_share']:.0f} % 304"
+            + (f"; errors {read['errors']}" if read["errors"] else ""),
+        )
+    console.print(table)
+    slow = rec["slow_passes_logged"]
+    if slow["count"]:
+        console.print(
+            f"the controller logged {slow['count']} passes slower than its interval (whole "
+            f"run, set-up included): median {slow['p50_s']:.1f} s, longest {slow['max_s']:.1f} "
+            f"s; the last: {slow['last']}"
+        )
+    jobs, ctl = result["jobs"], result["controller"]
+    by_state = ", ".join(f"{k} {v:.0f}" for k, v in jobs["by_state_at_end"].items() if v)
+    console.print(
+        f"jobs: {jobs['placed']} placed, {jobs['runs_succeeded']} runs succeeded; at the end "
+        f"{by_state}. Nodes at the end: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in result["nodes_by_state_at_end"].items() if v)
+    )
+    console.print(
+        f"controller: CPU {100 * ctl['cpu_share_of_one_core']:.0f} % of one core, RSS max "
+        f"{ctl['rss_mib_max']:.0f} MiB; this bench's own CPU "
+        f"{100 * result['bench_client_cpu_share_of_one_core']:.0f} % of one core. Setup: "
+        f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
+        f"{result['setup']['register_s']:.1f} s"
+    )
+    if result["errors"]:
+        console.print(f"errors: {result['errors']}")
+    t = result["targets"]
+    console.print(
+        f"targets (issue, at 1,000 nodes and 10,000 jobs on PostgreSQL): reconcile pass p99 <= "
+        f"{t['reconcile_p99_ms']:.0f} ms: {'met' if t['reconcile_p99_met'] else 'NOT met'}; "
+        f"heartbeat p99 <= {t['heartbeat_p99_ms']:.0f} ms: "
+        f"{'met' if t['heartbeat_p99_met'] else 'NOT met'}"
+    )
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN as null, which JSON has."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--readers", type=int, default=1, help="polling processes per phase")
+    parser.add_argument("--steps", type=int, default=20, help="steps of each simulated run")
+    parser.add_argument("--step-s", type=float, default=0.5, help="seconds per simulated step")
+    parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="makes the database")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--work-dir", type=Path, help="keep the controller's files and log here")
+    args = parser.parse_args(argv)
+    options = Options(
+        nodes=args.nodes,
+        jobs=args.jobs,
+        db=args.db,
+        seconds=args.seconds,
+        readers=args.readers,
+        training=Training(steps=args.steps, step_s=args.step_s),
+        pg_admin_url=args.pg_admin_url,
+        work_dir=args.work_dir,
+    )
+    result = run(options)
+    print_table(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(_finite(result), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Simulated node agents: the real node protocol over HTTP, no launcher and no torch.
+
+Each ``SimNode`` does what ``worker.agent.NodeAgent`` does on the wire: it registers
+with the enrolment token, heartbeats at the interval the controller gives it with the
+attempts it runs, starts the attempts it is assigned and stops those no longer assigned,
+and reports on them: the rendezvous of every node; from the node of group rank 0 the
+training's start, its progress (with a log line) every few steps, one snapshot and its
+finish; then every node's exit, ``succeeded``. A 409 on a report ends that run, as it
+ends an agent's. Hundreds of them share one event loop and one HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from contract.events import (
+    LauncherExited,
+    RendezvousComplete,
+    SnapshotSaved,
+    TrainingFinished,
+    TrainingProgress,
+    TrainingStarted,
+    runtime_event,
+)
+from contract.protocol import (
+    AttemptExit,
+    AttemptReport,
+    Heartbeat,
+    HeartbeatReply,
+    LogLine,
+    NodeRegister,
+    NodeRegistered,
+    RunningAttempt,
+)
+
+logger = logging.getLogger(__name__)
+
+API = "/api/v1"
+RunKey = tuple[int, int | None]  # (attempt id, membership id), as the agent keys a run
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a simulated attempt does: ``steps`` steps of ``step_s`` seconds, a progress
+    report every ``progress_every`` steps, a snapshot half-way, after a rendezvous of
+    ``rendezvous_s``."""
+
+    steps: int = 20
+    step_s: float = 0.5
+    progress_every: int = 5
+    rendezvous_s: float = 1.0
+    snapshot_bytes: int = 256 * 2**20
+
+
+@dataclass
+class FleetStats:
+    """What the nodes saw, client side."""
+
+    heartbeat_ms: list[float] = field(default_factory=list)
+    heartbeat_timeouts: int = 0
+    report_ms: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    runs_started: int = 0
+    runs_succeeded: int = 0  # exit reports of "succeeded" that the controller took
+    runs_fenced: int = 0
+    runs_stopped: int = 0
+    jobs_placed: set[int] = field(default_factory=set)
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+class Rendezvous:
+    """Group ranks by order of arrival, per attempt: what torch's rendezvous hands out."""
+
+    def __init__(self) -> None:
+        self._arrived: dict[int, list[str]] = {}
+
+    def join(self, attempt_id: int, node: str) -> None:
+        self._arrived.setdefault(attempt_id, []).append(node)
+
+    def rank(self, attempt_id: int, node: str) -> tuple[int, int]:
+        """This node's group rank and the number of nodes in the round."""
+        arrived = self._arrived.get(attempt_id, [node])
+        return arrived.index(node), len(arrived)
+
+
+class SimNode:
+    def __init__(
+        self,
+        name: str,
+        http: httpx.AsyncClient,
+        enrolment_token: str,
+        training: Training,
+        rendezvous: Rendezvous,
+        stats: FleetStats,
+    ) -> None:
+        self.name = name
+        self._http = http
+        self._enrolment_token = enrolment_token
+        self._training = training
+        self._rendezvous = rendezvous
+        self._stats = stats
+        self._node_id = 0
+        self._token = ""
+        self._interval_s = 1.0
+        self._runs: dict[int, tuple[RunKey, asyncio.Task[None]]] = {}
+        self._finished: set[RunKey] = set()
+        self._closing = False
+
+    async def register(self, tries: int = 10) -> None:
+        """Register, retrying a controller that does not answer (as an agent does)."""
+        body = NodeRegister(name=self.name, address="127.0.0.1", slots=1, pid=0)
+        for attempt in range(tries):
+            try:
+                response = await self._http.post(
+                    f"{API}/nodes/register",
+                    json=body.model_dump(mode="json"),
+                    headers={"authorization": f"Bearer {self._enrolment_token}"},
+                )
+                if response.status_code < 500 or attempt == tries - 1:
+                    break
+            except httpx.TransportError:
+                if attempt == tries - 1:
+                    raise
+            await asyncio.sleep(1.0)
+        response.raise_for_status()
+        registered = NodeRegistered.model_validate(response.json())
+        self._node_id, self._token = registered.node_id, registered.node_token
+        self._interval_s = registered.heartbeat_interval_s
+
+    async def serve(self, until: float) -> None:
+        """Heartbeat until ``until`` (``time.monotonic``), then drop every run without a
+        word, as a node that went away: the measurement ends there."""
+        await asyncio.sleep(random.uniform(0, self._interval_s))  # spread the fleet out
+        try:
+            while time.monotonic() < until:
+                sent = time.monotonic()
+                await self._heartbeat()
+                await asyncio.sleep(max(0.0, sent + self._interval_s - time.monotonic()))
+        finally:
+            self._closing = True
+            for _, task in self._runs.values():
+                task.cancel()
+            await asyncio.gather(*(t for _, t in self._runs.values()), return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        running = [RunningAttempt(attempt_id=a, processes=1) for a in self._runs]
+        start = time.perf_counter()
+        try:
+            response = await self._http.post(
+                f"{API}/nodes/{self._node_id}/heartbeat",
+                json=Heartbeat(running=running).model_dump(mode="json"),
+                headers=self._auth,
+            )
+        except httpx.TimeoutException as exc:
+            # Unanswered within the agent's timeout: counted at what it waited, a lower bound.
+            self._stats.heartbeat_ms.append((time.perf_counter() - start) * 1000)
+            self._stats.heartbeat_timeouts += 1
+            self._stats.error(f"heartbeat {type(exc).__name__}")
+            return
+        except httpx.HTTPError as exc:
+            self._stats.error(f"heartbeat {type(exc).__name__}")
+            return
+        self._stats.heartbeat_ms.append((time.perf_counter() - start) * 1000)
+        if response.status_code != 200:
+            self._stats.error(f"heartbeat {response.status_code}")
+            return
+        reply = HeartbeatReply.model_validate(response.json())
+        wanted = {a.attempt_id for a in reply.assignments}
+        for attempt_id in [a for a in self._runs if a not in wanted]:
+            self._runs[attempt_id][1].cancel()  # no longer assigned: the run stops
+        for assignment in reply.assignments:
+            key = (assignment.attempt_id, assignment.member_id)
+            if assignment.attempt_id in self._runs or key in self._finished:
+                continue
+            self._stats.runs_started += 1
+            self._stats.jobs_placed.add(assignment.job_id)
+            task = asyncio.create_task(self._run(key, assignment.active_members or 1))
+            self._runs[assignment.attempt_id] = (key, task)
+
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self._token}"}
+
+    async def _run(self, key: RunKey, members: int) -> None:
+        """One run of an attempt on this node, from rendezvous to exit."""
+        attempt_id, _ = key
+        try:
+            await self._train(key, members)
+        except asyncio.CancelledError:
+            if not self._closing:
+                self._stats.runs_stopped += 1
+                exit = AttemptExit(outcome="stopped", message="no longer assigned")
+                await asyncio.shield(self._report(key, exit=exit))
+            raise
+        except _Fenced:
+            self._stats.runs_fenced += 1
+        finally:
+            self._finished.add(key)
+            self._runs.pop(attempt_id, None)
+
+    async def _train(self, key: RunKey, members: int) -> None:
+        training, attempt_id = self._training, key[0]
+        self._rendezvous.join(attempt_id, self.name)
+        await asyncio.sleep(training.rendezvous_s)
+        rank, nodes = self._rendezvous.rank(attempt_id, self.name)
+        world = max(nodes, members)
+        rdzv = RendezvousComplete(
+            world_size=world, group_rank=rank, group_world_size=nodes, restart_count=0
+        )
+        if rank != 0:
+            await self._report(key, events=[rdzv])
+            await asyncio.sleep(training.steps * training.step_s)
+            await self._exit(key)
+            return
+        started = TrainingStarted(world_size=world, restart_count=0, total_steps=training.steps)
+        await self._report(key, events=[rdzv, started], logs=["training started"])
+        for step in range(1, training.steps + 1):
+            await asyncio.sleep(training.step_s)
+            events: list[Any] = []
+            if step % training.progress_every == 0:
+                loss = 1.0 / step
+                events.append(
+                    TrainingProgress(
+                        step=step,
+                        loss=loss,
+                        world_size=world,
+                        step_time_s=training.step_s,
+                        samples_per_s=64 / training.step_s,
+                    )
+                )
+            if step == training.steps // 2:
+                events.append(
+                    SnapshotSaved(
+                        step=step,
+                        world_size=world,
+                        path=f"/snapshots/attempt-{attempt_id}/step-{step}",
+                        bytes=training.snapshot_bytes,
+                        seconds=random.uniform(0.2, 2.0),
+                    )
+                )
+            if events:
+                await self._report(key, events=events, logs=[f"step {step}"])
+        finished = TrainingFinished(step=training.steps, loss=1.0 / training.steps)
+        launcher = LauncherExited(outcome="succeeded", exitcode=0)
+        await self._report(key, events=[finished, launcher])
+        await self._exit(key)
+
+    async def _exit(self, key: RunKey) -> None:
+        if await self._report(key, exit=AttemptExit(outcome="succeeded", exit_code=0)):
+            self._stats.runs_succeeded += 1
+
+    async def _report(
+        self,
+        key: RunKey,
+        events: list[Any] | None = None,
+        logs: list[str] | None = None,
+        exit: AttemptExit | None = None,
+    ) -> bool:
+        """Send one report; retried on 503 (a lost compare-and-set), ``_Fenced`` on 409."""
+        now = datetime.now(UTC)
+        report = AttemptReport(
+            attempt_id=key[0],
+            member_id=key[1],
+            events=[runtime_event(e, now) for e in events or []],
+            logs=[LogLine(time=now, line=line) for line in logs or []],
+            exit=exit,
+        )
+        body = report.model_dump(mode="json")
+        for _ in range(3):
+            start = time.perf_counter()
+            try:
+                response = await self._http.post(
+                    f"{API}/nodes/{self._node_id}/reports", json=body, headers=self._auth
+                )
+            except httpx.HTTPError as exc:
+                self._stats.error(f"report {type(exc).__name__}")
+                return False
+            self._stats.report_ms.append((time.perf_counter() - start) * 1000)
+            if response.status_code == 200:
+                return True
+            if response.status_code == 409:
+                if exit is not None:
+                    return False  # the exit of a fenced run: forgotten, as an agent does
+                raise _Fenced(response.text)
+            self._stats.error(f"report {response.status_code}")
+            if response.status_code != 503:
+                return False
+            await asyncio.sleep(1.0)
+        return False
+
+
+class _Fenced(Exception):
+    """The controller answered 409: the attempt is over for this node."""

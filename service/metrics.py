@@ -1,0 +1,247 @@
+"""The controller's Prometheus metrics: one registry per app, served at ``/metrics``.
+
+Two kinds, and the difference matters when several controllers share a database:
+
+- Process metrics, this controller's own: how long its reconciler passes, heartbeat
+  answers and API requests take, the snapshots reported to it, its CPU and memory
+  (``process_*``). Each controller has its own; add them up (or compare them) across
+  controllers in PromQL.
+- Cluster metrics, read from the database at scrape time: jobs and nodes by state, the
+  restarts and membership changes summed over every job. Every controller reports the
+  same values; take ``max`` across controllers, never ``sum``.
+
+No label names a job, a user or a node, and none takes an unbounded set of values: the
+API's label is the route's path template (``/api/v1/jobs/{job_id}``), never the path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contract.events import SnapshotSaved
+from service.db import transaction
+from service.models import Job, Node
+from service.states import JobState, NodeState
+
+logger = logging.getLogger(__name__)
+
+# Seconds: from a fast heartbeat (a few ms) to a reconciler pass that is far too slow.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Snapshot sizes, 1 MiB to 1 TiB in powers of four.
+SNAPSHOT_BYTES_BUCKETS = tuple(float(2**20 * 4**k) for k in range(11))
+SNAPSHOT_SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# The route label of a request that matched no route: a scan of random paths must not
+# make a series per path.
+UNMATCHED_ROUTE = "<unmatched>"
+
+
+class ControllerMetrics:
+    """Every metric of one controller process, in a registry of its own (two apps in one
+    process, as in the tests, do not share counts)."""
+
+    def __init__(self, read_factory: sessionmaker[Session] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.reconcile_pass = Histogram(
+            "relaunch_reconcile_pass_seconds",
+            "Time of one reconciler pass of the leading controller: read the database, "
+            "plan, apply every action",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.reconcile_phase = Histogram(
+            "relaunch_reconcile_phase_seconds",
+            "Time of each phase of a pass: load (read nodes and open jobs), plan (decide), "
+            "apply (one transaction per action)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.reconcile_actions = Counter(
+            "relaunch_reconcile_actions",
+            "Actions the reconciler decided, by kind (PlaceJob, MarkNodeLost, ...)",
+            ["action"],
+            registry=self.registry,
+        )
+        self.leader = Gauge(
+            "relaunch_controller_leader",
+            "1 while this controller holds the leader lease (its reconciler acts), else 0",
+            registry=self.registry,
+        )
+        self.heartbeat = Histogram(
+            "relaunch_heartbeat_seconds",
+            "Time to answer one node heartbeat, from the request to the reply's last byte",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.request = Histogram(
+            "relaunch_http_request_seconds",
+            "Time to answer an HTTP request, by route template, method and status class",
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.snapshot_bytes = Histogram(
+            "relaunch_snapshot_bytes",
+            "Size of the snapshots that nodes reported saved",
+            buckets=SNAPSHOT_BYTES_BUCKETS,
+            registry=self.registry,
+        )
+        self.snapshot_seconds = Histogram(
+            "relaunch_snapshot_seconds",
+            "Time the nodes took to save the snapshots they reported",
+            buckets=SNAPSHOT_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        if read_factory is not None:
+            self.registry.register(ClusterCollector(read_factory))
+
+    def observe_snapshots(self, saved: Iterable[SnapshotSaved]) -> None:
+        for snapshot in saved:
+            self.snapshot_bytes.observe(snapshot.bytes)
+            if snapshot.seconds is not None:
+                self.snapshot_seconds.observe(snapshot.seconds)
+
+    def exposition(self) -> bytes:
+        """The text format of every metric, as scraped."""
+        return generate_latest(self.registry)
+
+
+class ClusterCollector(Collector):
+    """Jobs and nodes by state and the sums over jobs, read at scrape time: two grouped
+    counts and one sum over indexed columns, however many jobs there are.
+
+    A database that does not answer costs no failed scrape: the families are left out
+    and ``relaunch_database_up`` says 0.
+    """
+
+    def __init__(self, read_factory: sessionmaker[Session]) -> None:
+        self._factory = read_factory
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # read at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "relaunch_database_up", "1 if the database answered this scrape's queries, else 0"
+        )
+        try:
+            with transaction(self._factory) as session:
+                jobs = _counts(session, Job.state)
+                nodes = _counts(session, Node.state)
+                restarts, changes = session.execute(
+                    select(
+                        func.coalesce(func.sum(Job.restart_count), 0),
+                        func.coalesce(func.sum(Job.membership_changes), 0),
+                    )
+                ).one()
+        except SQLAlchemyError as exc:
+            logger.warning("metrics: the database did not answer: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        by_job_state = GaugeMetricFamily(
+            "relaunch_jobs", "Jobs by state (every job the database holds)", labels=["state"]
+        )
+        for job_state in JobState:
+            by_job_state.add_metric([job_state.value], jobs.get(job_state, 0))
+        yield by_job_state
+        by_node_state = GaugeMetricFamily("relaunch_nodes", "Nodes by state", labels=["state"])
+        for node_state in NodeState:
+            by_node_state.add_metric([node_state.value], nodes.get(node_state, 0))
+        yield by_node_state
+        yield CounterMetricFamily(
+            "relaunch_job_restarts",
+            "Restarts charged to jobs' budgets, summed over every job",
+            value=int(restarts),
+        )
+        yield CounterMetricFamily(
+            "relaunch_job_membership_changes",
+            "Membership changes (nodes that left or joined a running attempt), summed over "
+            "every job; not restarts",
+            value=int(changes),
+        )
+
+
+def _counts(session: Session, state: InstrumentedAttribute[Any]) -> dict[Any, int]:
+    """How many rows have each value of ``state``."""
+    rows = session.execute(select(state, func.count()).group_by(state))
+    return {value: count for value, count in rows}
+
+
+class RequestMetrics:
+    """Times every HTTP request into ``relaunch_http_request_seconds``, labelled by the
+    route's path template; heartbeats also into ``relaunch_heartbeat_seconds``.
+
+    ``api_prefix`` is the prefix the API's routers are included under, and
+    ``heartbeat_route`` the heartbeat's template with it."""
+
+    def __init__(
+        self, app: ASGIApp, metrics: ControllerMetrics, api_prefix: str, heartbeat_route: str
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.api_prefix = api_prefix
+        self.heartbeat_route = heartbeat_route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets if the app raises before it answers
+
+        async def noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            elapsed = time.perf_counter() - start
+            route = route_template(scope, self.api_prefix)
+            self.metrics.request.labels(route, scope["method"], f"{status // 100}xx").observe(
+                elapsed
+            )
+            if route == self.heartbeat_route:
+                self.metrics.heartbeat.observe(elapsed)
+
+
+def route_template(scope: Scope, api_prefix: str) -> str:
+    """The path template of the route that served ``scope`` (the router puts the route
+    there as it matches), or ``UNMATCHED_ROUTE``.
+
+    A route of a router included under ``api_prefix`` may know its path without the
+    prefix (FastAPI keeps the router's own route); the prefix is put back."""
+    path = getattr(scope.get("route"), "path", None)
+    if not isinstance(path, str) or not path:
+        return UNMATCHED_ROUTE
+    if scope["path"].startswith(api_prefix + "/") and not path.startswith(api_prefix + "/"):
+        return api_prefix + path
+    return path

@@ -1,0 +1,44 @@
+"""The control-plane benchmark's engine, run small: a real controller, a few simulated
+nodes, a few jobs, a few seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.control_plane import Options, histogram_quantile, run, share_within
+from bench.sim_nodes import Training
+
+
+@pytest.mark.e2e  # a real controller process, like the end-to-end tests
+def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
+    training = Training(steps=4, step_s=0.2, progress_every=2, rendezvous_s=0.2)
+    options = Options(nodes=4, jobs=6, seconds=8.0, training=training, work_dir=tmp_path)
+    result = run(options)
+    jobs = result["jobs"]
+    assert jobs["placed"] >= 2, jobs
+    assert jobs["by_state_at_end"]["SUCCEEDED"] >= 1, jobs
+    assert jobs["runs_succeeded"] >= 1, jobs
+    assert result["heartbeat"]["count"] > 0
+    assert result["reconcile"]["passes"] > 0
+    assert result["reconcile"]["actions"].get("PlaceJob", 0) >= 2
+    assert result["nodes_by_state_at_end"]["ALIVE"] == 4
+    assert [r["phase"] for r in result["reads"]] == [
+        "job list",
+        "job list, If-None-Match",
+        "job detail",
+        "job detail, If-None-Match",
+    ]
+    assert all(r["requests"] > 0 for r in result["reads"])
+    assert result["controller"]["rss_mib_max"] > 0
+
+
+def test_quantiles_from_cumulative_buckets() -> None:
+    # 10 observations: 5 at most 0.1 s, 9 at most 0.5 s, 1 above the last finite bound.
+    cumulative = [(0.1, 5.0), (0.5, 9.0), (float("inf"), 10.0)]
+    assert histogram_quantile(0.5, cumulative) == pytest.approx(0.1)
+    assert histogram_quantile(0.7, cumulative) == pytest.approx(0.1 + 0.4 * 2 / 4)
+    assert histogram_quantile(0.99, cumulative) == 0.5  # in +Inf: the largest finite bound
+    assert share_within(cumulative, 0.1) == 0.5
+    assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) != 0.0  # NaN
