@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast lint postgres browser bench bench-snapshots bench-status \
-	bench-control-plane clean
+	bench-control-plane bench-chaos clean
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,10 @@ bench-status: install
 # The issue's size: 1,000 simulated nodes and 10,000 queued jobs on PostgreSQL, for 60 s.
 bench-control-plane: install postgres
 	$(PY) -m bench.control_plane --nodes 1000 --jobs 10000 --db postgresql --seconds 60
+
+# Needs root (every node agent in a network namespace of its own).
+bench-chaos: install
+	$(PY) -m bench.chaos --minutes 10 --seed 1 --json chaos.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
