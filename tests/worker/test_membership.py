@@ -36,6 +36,15 @@ _STUCK_ONCE = textwrap.dedent(
 )
 
 
+# A stand-in launcher with one worker child; both sleep until killed.
+_SLEEPER = "import time; time.sleep(600)"
+_LAUNCHER_WITH_A_WORKER = [
+    sys.executable, "-c",
+    f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {_SLEEPER!r}]);"
+    " time.sleep(600)",
+]  # fmt: skip
+
+
 def _settings(tmp_path: Path) -> AgentSettings:
     return AgentSettings(
         enrolment_token="t", controller_url="http://c:1", name="node-a", work_dir=tmp_path / "a"
@@ -102,13 +111,7 @@ def test_workers_that_already_formed_without_the_lost_member_are_left_alone(
     tmp_path: Path,
 ) -> None:
     attempt = unstarted_attempt(tmp_path, _settings(tmp_path))
-    sleeper = "import time; time.sleep(600)"
-    argv = [
-        sys.executable, "-c",
-        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]);"
-        " time.sleep(600)",
-    ]  # fmt: skip
-    launcher = _run_as_launcher(attempt, argv, tmp_path / "launcher.out")
+    launcher = _run_as_launcher(attempt, _LAUNCHER_WITH_A_WORKER, tmp_path / "launcher.out")
     try:
         _wait_for(lambda: procs.descendants(launcher.pid), "the worker to start")
         [worker] = procs.descendants(launcher.pid)
@@ -142,13 +145,7 @@ def test_a_spare_that_joined_since_the_workers_formed_does_not_hide_the_lost_mem
     """Three nodes formed; one is cut off and a spare joins in the same pass: still
     three members, but the workers wait on the cut one, so they must re-form."""
     attempt = unstarted_attempt(tmp_path, _settings(tmp_path))
-    sleeper = "import time; time.sleep(600)"
-    argv = [
-        sys.executable, "-c",
-        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]);"
-        " time.sleep(600)",
-    ]  # fmt: skip
-    launcher = _run_as_launcher(attempt, argv, tmp_path / "launcher.out")
+    launcher = _run_as_launcher(attempt, _LAUNCHER_WITH_A_WORKER, tmp_path / "launcher.out")
     try:
         _wait_for(lambda: procs.descendants(launcher.pid), "the worker to start")
         [worker] = procs.descendants(launcher.pid)

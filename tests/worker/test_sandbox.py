@@ -132,6 +132,23 @@ def _ended(attempt: Attempt, timeout_s: float = 120) -> AttemptExit:
     return attempt.exit
 
 
+def _run_to_end(
+    tmp_path: Path, rendezvous: Rendezvous, assignment: Assignment
+) -> tuple[Attempt, AttemptExit]:
+    """Start an attempt of ``assignment`` and wait for its end; it is stopped either way."""
+    attempt = Attempt(
+        assignment,
+        _settings(tmp_path, rendezvous.controller_url),
+        node_token=rendezvous.node_token,
+    )
+    try:
+        attempt.start()
+        return attempt, _ended(attempt)
+    finally:
+        attempt.stop("test over")
+        attempt.wait_stopped()
+
+
 def _logs(attempt: Attempt) -> str:
     pending = attempt.next_report(max_logs=10000, max_events=10000)
     return "" if pending is None else "\n".join(line.line for line in pending.report.logs)
@@ -214,17 +231,9 @@ def test_a_start_up_error_still_reaches_the_launcher_through_the_error_file(
     workdir = tmp_path / "snapshots" / "job-8"
     workdir.mkdir(parents=True)
     (workdir / "broken.py").write_text("import no_such_module_here\n")
-    attempt = Attempt(
-        _assignment(8, workdir, "broken.py", rendezvous),
-        _settings(tmp_path, rendezvous.controller_url),
-        node_token=rendezvous.node_token,
+    attempt, end = _run_to_end(
+        tmp_path, rendezvous, _assignment(8, workdir, "broken.py", rendezvous)
     )
-    try:
-        attempt.start()
-        end = _ended(attempt)
-    finally:
-        attempt.stop("test over")
-        attempt.wait_stopped()
     # Only the error file tells a start-up error (fatal) from a crash (restarted).
     assert (end.outcome, end.fatal) == ("failed", True), _logs(attempt)
     assert "ModuleNotFoundError" in (end.message or "")
@@ -238,17 +247,11 @@ def test_a_working_dir_the_jobs_user_cannot_enter_fails_the_attempt_as_fatal(
     closed.chmod(0o700)
     (closed / "inside" / "train.py").write_text("print('never')\n")
     snapshots = tmp_path / "snapshots" / "job-9"
-    attempt = Attempt(
+    _, end = _run_to_end(
+        tmp_path,
+        rendezvous,
         _assignment(9, snapshots, "train.py", rendezvous, working_dir=str(closed / "inside")),
-        _settings(tmp_path, rendezvous.controller_url),
-        node_token=rendezvous.node_token,
     )
-    try:
-        attempt.start()
-        end = _ended(attempt)
-    finally:
-        attempt.stop("test over")
-        attempt.wait_stopped()
     assert (end.outcome, end.fatal) == ("failed", True)
     assert f"(uid {BASE + 9}) cannot enter working_dir {closed / 'inside'}" in (end.message or "")
 
