@@ -8,13 +8,11 @@ itself fenced out of the attempt the others went on with.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
+from bench.hosts import Hosts
 from service.local_cluster import LocalCluster, free_port
 from tests.e2e.helpers import (
     NODE_TIMEOUT_S,
@@ -31,52 +29,16 @@ from tests.helpers import wait_for
 pytestmark = pytest.mark.e2e
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-@dataclass(frozen=True)
-class Hosts:
-    bridge: str
-    controller: str  # the controller's address on the bridge
-    nodes: dict[str, tuple[str, str, str]]  # name -> (namespace, host-side link, address)
-
-    def exec_prefix(self, name: str) -> list[str]:
-        return ["ip", "netns", "exec", self.nodes[name][0]]
-
-    def cut(self, name: str) -> None:
-        ip("link", "set", self.nodes[name][1], "down")
-
-    def mend(self, name: str) -> None:
-        ip("link", "set", self.nodes[name][1], "up")
-
-
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    tag = f"{os.getpid() % 100000}"
-    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
-    bridge = f"rlb{tag}"
-    nodes = {
-        name: (f"rl{tag}{name}", f"rlv{tag}{name}", f"{net}.{10 + i}")
-        for i, name in enumerate(("a", "b"))
-    }
-    ip("link", "add", bridge, "type", "bridge")
+    made = Hosts()
     try:
-        ip("addr", "add", f"{net}.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for ns, link, address in nodes.values():
-            ip("netns", "add", ns)
-            ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("link", "set", link, "master", bridge, "up")
-            ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield Hosts(bridge, f"{net}.1", {f"host-{n}": v for n, v in nodes.items()})
+        made.open()
+        for name in ("host-a", "host-b"):
+            made.add(name)
+        yield made
     finally:
-        for ns, link, _ in nodes.values():
-            subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+        made.close()
 
 
 @pytest.fixture(scope="module")
