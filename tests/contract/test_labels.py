@@ -10,7 +10,7 @@ import pytest
 
 from contract.labels import label_from_environ, log_label
 from contract.protocol import ATTEMPT_ID_ENV, ATTEMPT_NUMBER_ENV, JOB_ID_ENV, NODE_NAME_ENV
-from worker.runtime.env import DistEnv
+from worker.runtime.env import DistEnv, Launcher
 from worker.tasks.cli import configure_logging
 
 AGENT_ENV = {
@@ -43,7 +43,9 @@ def test_without_the_agent_only_the_rank_is_known() -> None:
 
 
 def test_worker_log_lines_carry_the_label(capsys: pytest.CaptureFixture[str]) -> None:
-    env = DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=2, launched=True)
+    env = DistEnv(
+        rank=5, local_rank=1, world_size=8, local_world_size=2, launcher=Launcher.TORCHRUN
+    )
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from worker.runtime.config import TrainerConfig
-from worker.runtime.env import DistEnv, init_distributed, shutdown_distributed
+from worker.runtime.env import DistEnv, Launcher, init_distributed, shutdown_distributed
 
 TORCHRUN_ENV = {
     "RANK": "3",
@@ -168,3 +168,45 @@ def test_config_validates(field: str, value: float) -> None:
     kwargs: dict[str, float] = {"max_epochs": 1, "batch_size": 1, "lr": 0.1, field: value}
     with pytest.raises(ValueError, match=field):
         TrainerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+SRUN_ENV = {
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "localhost",
+    "SLURM_TASKS_PER_NODE": "2",
+}
+
+
+def test_reads_srun_variables_without_torchrun_ones() -> None:
+    env = DistEnv.from_environ(SRUN_ENV)
+    assert env.launcher is Launcher.SLURM and env.launched
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (1, 1, 2, 2)
+    assert (env.group_rank, env.restart_count) == (0, 0)
+    assert (env.master_addr, env.master_port) == ("localhost", 20000 + 4242)
+
+
+def test_torchrun_variables_win_over_inherited_slurm_ones() -> None:
+    """A launcher inside a Slurm allocation passes SLURM_* on to its workers."""
+    assert DistEnv.from_environ({**SRUN_ENV, **TORCHRUN_ENV}) == DistEnv.from_environ(TORCHRUN_ENV)
+    env = DistEnv.from_environ({**SRUN_ENV, "SLURM_NTASKS": "x", **TORCHRUN_ENV})
+    assert env.launcher is Launcher.TORCHRUN and env.world_size == 4
+
+
+def test_slurm_variables_without_a_task_are_no_launcher() -> None:
+    """salloc's shell: an allocation, but no task of a step."""
+    env = DistEnv.from_environ({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
+    assert env == DistEnv() and env.launcher is Launcher.NONE
+
+
+def test_bad_srun_variables_are_named() -> None:
+    with pytest.raises(ValueError, match="SLURM_PROCID"):
+        DistEnv.from_environ({**SRUN_ENV, "SLURM_PROCID": "2"})
+
+
+def test_a_slurm_env_needs_its_master() -> None:
+    with pytest.raises(ValueError, match="master"):
+        DistEnv(launcher=Launcher.SLURM)

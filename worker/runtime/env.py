@@ -3,6 +3,18 @@
 torchrun (and relaunch's node agent, which runs torchrun) tells each worker who
 it is through environment variables. ``DistEnv`` reads them; a process started
 without a launcher gets the single-process defaults (rank 0 of a world of 1).
+
+Which launcher, by precedence (``Launcher``):
+
+1. torchrun's variables win: ``WORLD_SIZE`` set means torchrun (or relaunch, or a
+   task's ``--nproc``, which sets the same variables) started this process, and
+   ``SLURM_*`` is not read at all. A launcher that itself runs inside a Slurm
+   allocation passes the allocation's ``SLURM_*`` on to its workers; they still
+   take torchrun's.
+2. Slurm's win over nothing: without ``WORLD_SIZE``, ``SLURM_PROCID`` and
+   ``SLURM_NTASKS`` mean ``srun`` started this task (see ``worker.runtime.slurm``
+   for the variables read and how the tasks agree on an address and port).
+3. Neither: a single process.
 """
 
 from __future__ import annotations
@@ -12,11 +24,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 
 from contract.protocol import COLLECTIVE_TIMEOUT_ENV
+from worker.runtime.slurm import is_srun_task, slurm_task
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +71,23 @@ def _int_var(environ: Mapping[str, str], name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+class Launcher(Enum):
+    """What started this process, by the precedence in the module docstring."""
+
+    NONE = "none"
+    TORCHRUN = "torchrun"
+    SLURM = "slurm"
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """Who this worker is, as the launcher said.
 
     Holds: ``0 <= rank < world_size``, ``0 <= local_rank < local_world_size``,
-    ``restart_count >= 0``, ``collective_timeout > 0``. ``launched`` is true when
-    ``WORLD_SIZE`` was set, i.e. a launcher (torchrun) started this process and
-    expects a process group built from ``MASTER_ADDR``/``MASTER_PORT``.
+    ``restart_count >= 0``, ``collective_timeout > 0``. ``launcher`` says who started
+    this process; under any but ``NONE`` (``launched``) it expects a process group of
+    ``world_size`` at ``MASTER_ADDR``/``MASTER_PORT`` (torchrun) or at
+    ``master_addr``/``master_port`` (Slurm, where both are always set).
     ``collective_timeout`` is what one collective may wait for its peers.
     """
 
@@ -76,7 +99,7 @@ class DistEnv:
     restart_count: int = 0
     master_addr: str | None = None
     master_port: int | None = None
-    launched: bool = False
+    launcher: Launcher = Launcher.NONE
     collective_timeout: timedelta = DEFAULT_PG_TIMEOUT
 
     def __post_init__(self) -> None:
@@ -96,6 +119,12 @@ class DistEnv:
             raise ValueError(f"{RESTART_COUNT_ENV} must be >= 0, got {self.restart_count}")
         if self.collective_timeout <= timedelta(0):
             raise ValueError(f"the collective timeout must be > 0, got {self.collective_timeout}")
+        if self.launcher is Launcher.SLURM and (self.master_addr is None or not self.master_port):
+            raise ValueError("a Slurm task needs its master address and port")
+
+    @property
+    def launched(self) -> bool:
+        return self.launcher is not Launcher.NONE
 
     @property
     def is_rank_zero(self) -> bool:
@@ -103,12 +132,15 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
-        """Read the launcher's variables; a missing one takes its single-process default.
+        """Read the launcher's variables, torchrun's before Slurm's (module docstring);
+        a missing one takes its single-process default.
 
         Raises ``ValueError`` naming the variable when one is not an integer or the
         values contradict each other (e.g. ``RANK`` >= ``WORLD_SIZE``).
         """
         launched = bool(environ.get(WORLD_SIZE_ENV, "").strip())
+        if not launched and is_srun_task(environ):
+            return cls._from_slurm(environ)
         world_size = _int_var(environ, WORLD_SIZE_ENV, 1)
         master_port_raw = environ.get(MASTER_PORT_ENV)
         return cls(
@@ -120,7 +152,22 @@ class DistEnv:
             restart_count=_int_var(environ, RESTART_COUNT_ENV, 0),
             master_addr=environ.get(MASTER_ADDR_ENV) or None,
             master_port=_int_var(environ, MASTER_PORT_ENV, 0) if master_port_raw else None,
-            launched=launched,
+            launcher=Launcher.TORCHRUN if launched else Launcher.NONE,
+            collective_timeout=_timeout_var(environ, COLLECTIVE_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT),
+        )
+
+    @classmethod
+    def _from_slurm(cls, environ: Mapping[str, str]) -> DistEnv:
+        task = slurm_task(environ)
+        return cls(
+            rank=task.rank,
+            local_rank=task.local_rank,
+            world_size=task.world_size,
+            local_world_size=task.local_world_size,
+            group_rank=task.node_rank,
+            master_addr=task.master_addr,
+            master_port=task.master_port,
+            launcher=Launcher.SLURM,
             collective_timeout=_timeout_var(environ, COLLECTIVE_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT),
         )
 
@@ -135,10 +182,11 @@ def device_for(env: DistEnv) -> torch.device:
 def init_distributed(env: DistEnv, timeout: timedelta | None = None) -> torch.device:
     """Join the default process group and return the device this rank computes on.
 
-    CUDA: nccl, after ``torch.cuda.set_device(local_rank)``. CPU: gloo. Under a
-    launcher (``env.launched``) the group comes from the ``env://`` variables;
-    without one a private single-process gloo group is built on a loopback
-    TCPStore with a free port, so the same DDP code runs either way.
+    CUDA: nccl, after ``torch.cuda.set_device(local_rank)``. CPU: gloo. Under
+    torchrun the group comes from the ``env://`` variables; under Slurm from a
+    TCPStore that rank 0 serves at ``master_addr:master_port``; without a
+    launcher a private single-process gloo group is built on a loopback TCPStore
+    with a free port, so the same DDP code runs either way.
     ``timeout`` (default: ``env.collective_timeout``) bounds every collective: a
     peer that froze is noticed after it. gloo raises in the waiting collective;
     NCCL's watchdog tears the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set
@@ -154,7 +202,19 @@ def init_distributed(env: DistEnv, timeout: timedelta | None = None) -> torch.de
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"
-    if env.launched:
+    if env.launcher is Launcher.SLURM:
+        assert env.master_addr is not None and env.master_port is not None  # __post_init__
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            world_size=env.world_size,
+            is_master=env.rank == 0,
+            timeout=timeout,
+        )
+        dist.init_process_group(
+            backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    elif env.launcher is Launcher.TORCHRUN:
         dist.init_process_group(
             backend=backend,
             init_method="env://",
