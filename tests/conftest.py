@@ -19,9 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.helpers import FakeClock, let_jobs_pass
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO_ROOT, FakeClock, let_jobs_pass, subprocess_environ
 
 PG_ADMIN_URL = os.environ.get("RELAUNCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 E2E_DIRS = (Path(__file__).parent / "e2e", Path(__file__).parent / "deploy")
@@ -108,15 +106,4 @@ def repo_root() -> Path:
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:
     """The current environment without launcher or relaunch variables, repo on PYTHONPATH."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("RELAUNCH_", "TORCHELASTIC_"))
-        and key not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
-        and key not in {"MASTER_ADDR", "MASTER_PORT"}
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return subprocess_environ()

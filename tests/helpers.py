@@ -10,6 +10,26 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+
+
+def subprocess_environ() -> dict[str, str]:
+    """The current environment without launcher (torchrun's, Slurm's) or relaunch
+    variables, the repository on PYTHONPATH, one OpenMP thread."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("RELAUNCH_", "TORCHELASTIC_", "SLURM_"))
+        and key not in _LAUNCHER_VARIABLES
+        and key not in {"MASTER_ADDR", "MASTER_PORT"}
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
 
 def wait_for(
     what: str, predicate: Callable[[], Any], timeout_s: float = 40.0, interval_s: float = 0.1
