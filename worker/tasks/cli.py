@@ -3,6 +3,10 @@
 A task's flags come from its pydantic params model in ``contract.tasks`` (one flag per
 field, kebab-case), plus the snapshot and output flags below, whose defaults come
 from the ``RELAUNCH_SNAPSHOT_*`` environment the node agent sets.
+
+A task runs in the process that was started (by torchrun, srun or plainly; see
+``worker.runtime.env``), or with ``--nproc N`` starts its own world of N processes on
+this machine (``worker.runtime.local_launch``), one per GPU where there are GPUs.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset
 
 from contract.labels import label_from_environ
 from contract.tasks import CommonParams, flag_name, get_task, validate_params
 from worker.runtime.config import TrainerConfig
-from worker.runtime.env import DistEnv
+from worker.runtime.env import DistEnv, Launcher
+from worker.runtime.local_launch import spawn_workers
 from worker.runtime.model_prep import LossFn, OptimizerFactory, seed_everything
 from worker.runtime.trainer import Trainer
 
@@ -91,7 +98,24 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         help="stop with a snapshot after this many global steps, unfinished (drills, tests)",
     )
     run.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    run.add_argument(
+        "--nproc",
+        type=_positive_int,
+        help="start N processes on this machine (torch.multiprocessing.spawn), one per GPU "
+        "where there are GPUs; not under torchrun or a multi-task srun. "
+        "Default: train in this process",
+    )
     return parser
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def parse_task_args(
@@ -156,10 +180,47 @@ def run_task(
     build: Callable[[P], TaskParts],
     argv: Sequence[str] | None = None,
 ) -> int:
-    """Parse flags, build the task with its seed set, train, evaluate; the exit status."""
+    """Parse flags, build the task with its seed set, train, evaluate; the exit status.
+    With ``--nproc N``, all of that in each of N spawned processes."""
     params, args = parse_task_args(task, argv)
     if not isinstance(params, params_type):
         raise TypeError(f"task {task!r} params are {type(params).__name__}, not {params_type}")
+    if args.nproc is not None:
+        return _spawn(params, args, build)
+    return _train(params, args, build)
+
+
+def _spawn(params: P, args: argparse.Namespace, build: Callable[[P], TaskParts]) -> int:
+    env = DistEnv.from_environ()
+    configure_logging(env, args.log_level)
+    if env.launcher is Launcher.TORCHRUN or env.world_size > 1:
+        logger.error(
+            "--nproc starts its own processes, but a launcher (%s) already started %d",
+            env.launcher.value,
+            env.world_size,
+        )
+        return 2
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        logger.error(
+            "--nproc %d is more than the %d GPUs here", args.nproc, torch.cuda.device_count()
+        )
+        return 2
+    logger.info("starting %d processes", args.nproc)
+    try:
+        spawn_workers(_train_spawned, args.nproc, (params, args, build))
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        logger.error("a process failed: %s", exc)
+        return 1
+    return 0
+
+
+def _train_spawned(params: P, args: argparse.Namespace, build: Callable[[P], TaskParts]) -> None:
+    status = _train(params, args, build)
+    if status != 0:
+        sys.exit(status)
+
+
+def _train(params: P, args: argparse.Namespace, build: Callable[[P], TaskParts]) -> int:
     env = DistEnv.from_environ()
     configure_logging(env, args.log_level)
     try:

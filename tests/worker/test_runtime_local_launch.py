@@ -1,0 +1,34 @@
+"""The variables each spawned worker gets: torchrun's, for one node."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.runtime.env import DistEnv, Launcher
+from worker.runtime.local_launch import spawn_workers, worker_environ
+
+
+def test_each_worker_reads_as_a_torchrun_worker_of_one_node() -> None:
+    envs = [DistEnv.from_environ(worker_environ(rank, 3, 29511)) for rank in range(3)]
+    assert [(e.rank, e.local_rank, e.group_rank) for e in envs] == [(0, 0, 0), (1, 1, 0), (2, 2, 0)]
+    for env in envs:
+        assert env.launcher is Launcher.TORCHRUN
+        assert (env.world_size, env.local_world_size) == (3, 3)
+        assert (env.master_addr, env.master_port) == ("127.0.0.1", 29511)
+
+
+def test_spawned_workers_win_over_an_inherited_srun_task() -> None:
+    srun = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "9"}
+    env = DistEnv.from_environ({**srun, **worker_environ(1, 2, 29511)})
+    assert env.launcher is Launcher.TORCHRUN and (env.rank, env.world_size) == (1, 2)
+
+
+@pytest.mark.parametrize("rank,nproc", [(2, 2), (-1, 2)])
+def test_a_rank_outside_the_world_is_refused(rank: int, nproc: int) -> None:
+    with pytest.raises(ValueError, match="local rank"):
+        worker_environ(rank, nproc, 29511)
+
+
+def test_no_world_of_zero() -> None:
+    with pytest.raises(ValueError, match="nproc"):
+        spawn_workers(print, 0)
