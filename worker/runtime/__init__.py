@@ -3,7 +3,9 @@
 Modules, imported one by one (this package imports nothing, so importing one of
 them does not pull in the others):
 
-- ``env``: the launcher's environment (``DistEnv``) and process-group set-up.
+- ``env``: the launcher's environment (``DistEnv``: torchrun's, else srun's, read
+  by ``slurm``) and process-group set-up; ``local_launch`` starts a world on one
+  machine with ``mp.spawn``, each child given torchrun's variables.
 - ``events``: ``EventWriter``, rank 0's JSON-lines channel to the node agent.
 - ``snapshot``: ``TrainingState``, what a snapshot holds; its manifest, atomic save
   and newest verified load; ``storage`` where the files live (a directory or an

@@ -6,8 +6,9 @@ in-process from a fixed data seed (the same on every rank and every run; the
 with SGD (momentum 0.9) on MSE should bring the loss down to about
 ``noise**2`` and ``w`` close to ``w_true``; the final evaluation logs both.
 
-Run: ``python -m torch.distributed.run --nproc-per-node 2 -m worker.tasks.regression``
-or plainly ``python -m worker.tasks.regression`` (world size 1).
+Run: ``python -m torch.distributed.run --nproc-per-node 2 -m worker.tasks.regression``,
+``python -m worker.tasks.regression --nproc 2`` (``mp.spawn``), ``srun -n 2 python -m
+worker.tasks.regression`` or plainly ``python -m worker.tasks.regression`` (world size 1).
 """
 
 from __future__ import annotations
