@@ -1,4 +1,5 @@
-"""worker.runtime.startup: the moments of a worker process's start, each kept once."""
+"""worker.runtime.startup and process_clock: the moments of a worker process's start,
+each kept once, the first read from the kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import psutil
 import pytest
 
 from worker.runtime import startup
+from worker.runtime.process_clock import process_started_at
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +33,7 @@ def test_a_moment_is_kept_the_first_time_it_is_marked() -> None:
 
 
 def test_the_process_start_is_the_kernels_record_of_this_process() -> None:
-    started = startup.process_started_at()
+    started = process_started_at()
     assert started is not None
     # psutil reads the same record against a boot time in whole seconds.
     assert abs(started - psutil.Process().create_time()) < 1.5
@@ -45,12 +47,12 @@ def test_a_command_name_with_spaces_and_parentheses_is_read_past(tmp_path: Path)
     started_ticks = int((since_boot - 60) * ticks_per_s)  # a minute ago
     fields = ["S", *["0"] * 18, str(started_ticks), "0"]
     (tmp_path / "stat").write_text(f"42 (a (b) c) {' '.join(fields)}\n")
-    started = startup.process_started_at(tmp_path)
+    started = process_started_at(tmp_path)
     assert started is not None
     assert abs((time.time() - started) - 60) < 1.0
 
 
 def test_without_proc_there_is_no_process_start(tmp_path: Path) -> None:
-    assert startup.process_started_at(tmp_path / "missing") is None
+    assert process_started_at(tmp_path / "missing") is None
     (tmp_path / "stat").write_text("garbage")
-    assert startup.process_started_at(tmp_path) is None
+    assert process_started_at(tmp_path) is None

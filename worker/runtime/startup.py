@@ -5,8 +5,8 @@ once. ``imported`` is marked by the worker bootstrap once torch is imported,
 ``process_group`` and ``snapshot_loaded`` by the ``Trainer`` (or a script's
 ``report.resumed``), ``first_step`` by the first optimizer step. The creation of
 the process is not marked but read from the kernel (``/proc/self/stat``), so it is
-the fork, before the interpreter even started; it is None where there is no
-``/proc``.
+the fork, before the interpreter even started (see ``process_clock``); it is
+None where there is no ``/proc``.
 
 Wall-clock times (``time.time``), not monotonic ones: the controller sets them
 beside the node's other events. Moments of one process are on one clock.
@@ -14,13 +14,12 @@ beside the node's other events. Moments of one process are on one clock.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import UTC, datetime
 from enum import StrEnum
-from pathlib import Path
 
 from contract.events import WorkerStartup
+from worker.runtime.process_clock import process_started_at
 
 
 class Moment(StrEnum):
@@ -41,25 +40,6 @@ def mark(moment: Moment, at: float | None = None) -> None:
 
 def reached(moment: Moment) -> bool:
     return moment in _marked
-
-
-def process_started_at(proc: Path = Path("/proc/self")) -> float | None:
-    """When the process was created, as a ``time.time()``; None without ``/proc``.
-
-    The kernel counts a process's start in clock ticks since boot; the age of the
-    process is the time since boot now (``CLOCK_BOOTTIME``, the same clock) less
-    that, so the result is as fine as a clock tick (10 ms) and needs no boot time
-    (which ``/proc/stat`` gives in whole seconds only).
-    """
-    try:
-        stat = (proc / "stat").read_text()
-        # The command name (field 2) may hold spaces; fields after it follow its ")".
-        started_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        ticks_per_s = os.sysconf("SC_CLK_TCK")
-        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    return time.time() - (since_boot - started_ticks / ticks_per_s)
 
 
 def startup() -> WorkerStartup:
