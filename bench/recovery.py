@@ -1,11 +1,20 @@
 """Recovery benchmark: raw torchrun (its documented defaults) against relaunch, same run.
 
 For each scenario and system it starts two "nodes" (elastic agents on loopback),
-waits until the job trains at world size 2, applies the fault, and measures the
-seconds from the fault (or from starting the new node) to the first training
-step at the expected world size, read from the probe's per-step log.
+waits until the job trains at world size 2, measures its throughput over a window
+of undisturbed training, applies the fault, and measures the seconds from the
+fault (or from starting the new node) to the first training step at the expected
+world size, read from the probe's per-step log.
+
+Each recovery is also taken apart into phases (``service.anatomy``): the probe
+writes the moments of its new rank 0 process's start; under relaunch the job's
+``/recoveries`` adds when the failure was recorded and when the rendezvous
+completed. Raw torchrun's agent records neither, so there the phase up to the
+new process covers detection and rendezvous too. All the clocks are this
+machine's.
 
     python -m bench.recovery [--repeats 3] [--scenarios worker_kill,node_drop,...]
+                             [--window 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,12 +31,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 from rich.console import Console
 from rich.table import Table
 
+from service import anatomy
+from service.client import RelaunchClient
 from service.local_cluster import LocalCluster, free_port
 
 PROBE = Path(__file__).resolve().parent / "ddp_probe.py"
@@ -38,7 +51,7 @@ SCENARIOS = {
     "node_drop_rank0": ("SIGKILL every process of the node of rank 0", 1),
     "node_add": ("start a third node", 3),
 }
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 @dataclass
@@ -46,11 +59,12 @@ class Trial:
     steps_file: Path
     snapshot: Path
     nodes: dict[str, int] = field(default_factory=dict)  # node name -> agent pid
+    job_id: int | None = None  # relaunch's job
 
     def probe_args(self) -> list[str]:
         return [str(PROBE), "--steps-file", str(self.steps_file), "--snapshot", str(self.snapshot)]
 
-    def steps(self) -> list[dict[str, float]]:
+    def lines(self) -> list[dict[str, Any]]:
         try:
             lines = self.steps_file.read_text().splitlines()
         except FileNotFoundError:
@@ -60,6 +74,30 @@ class Trial:
             with suppress(ValueError):
                 out.append(json.loads(line))
         return out
+
+    def steps(self) -> list[dict[str, float]]:
+        return [line for line in self.lines() if "step" in line]
+
+    def steps_per_s(self, since: float, until: float) -> float | None:
+        """Steps per second between ``since`` and ``until``, from the first step in the
+        window to the last; None with fewer than two."""
+        times = [s["t"] for s in self.steps() if since <= s["t"] <= until]
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def startup_moments(self, after: float, world: int) -> dict[str, float]:
+        """The moments of the first rank 0 process started after ``after`` at ``world``:
+        its start as the probe wrote it, and its first step; empty if there is none."""
+        lines = self.lines()
+        for line in lines:
+            if "startup" in line and line["t"] > after and line["world"] == world:
+                moments = {k: v for k, v in line["startup"].items() if v is not None}
+                steps = [s for s in lines if "step" in s and s.get("pid") == line["pid"]]
+                if steps:
+                    moments["first_step"] = steps[0]["t"]
+                return moments
+        return {}
 
     def first_step(self, after: float, world: int, timeout_s: float) -> float | None:
         """Seconds from ``after`` to the first step at ``world`` taken by a process that
@@ -130,6 +168,10 @@ class RawTorchrun:
         self.work = work
         self.procs: list[subprocess.Popen[bytes]] = []
 
+    def recovery(self, trial: Trial, fault_at: float, world: int) -> anatomy.Recovery:
+        """The agent records no failure or rendezvous time the bench can read."""
+        return probe_recovery(trial, fault_at, world)
+
     @contextmanager
     def trial(self, index: int) -> Iterator[tuple[Trial, Callable[[str], None]]]:
         trial = Trial(self.work / f"raw-{index}.steps", self.work / f"raw-{index}.pt")
@@ -179,6 +221,10 @@ class Relaunch:
     def __init__(self, work: Path) -> None:
         self.cluster = LocalCluster(data_dir=work / "relaunch", port=free_port())
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
+        # As root each job runs as a user of its own: its probe writes here, as in /tmp.
+        self.probes = work / "relaunch-probes"
+        self.probes.mkdir()
+        self.probes.chmod(0o1777)
         self.cluster.start_controller()
         self.client = self.cluster.client()
 
@@ -186,10 +232,17 @@ class Relaunch:
         self.client.close()
         self.cluster.stop_all()
 
+    def recovery(self, trial: Trial, fault_at: float, world: int) -> anatomy.Recovery:
+        """The controller's first recovery of the trial's job after the fault (the job's
+        reports may lag its steps by a report interval or two)."""
+        if trial.job_id is None:
+            raise RuntimeError("the trial submitted no job")
+        found = _first_recovery(self.client, trial.job_id, _at(fault_at))
+        return probe_recovery(trial, fault_at, world, found)
+
     @contextmanager
     def trial(self, index: int) -> Iterator[tuple[Trial, Callable[[str], None]]]:
-        work = self.cluster.data_dir
-        trial = Trial(work / f"rl-{index}.steps", work / f"rl-{index}.pt")
+        trial = Trial(self.probes / f"rl-{index}.steps", self.probes / f"rl-{index}.pt")
 
         def start_node(name: str) -> None:
             agent = f"t{index}-{name}"
@@ -207,6 +260,7 @@ class Relaunch:
                 "script": {"path": str(PROBE), "args": trial.probe_args()[1:]},
             }
         )
+        trial.job_id = job["id"]
         try:
             yield trial, start_node
         finally:
@@ -217,14 +271,50 @@ class Relaunch:
             trial.sweep()
 
 
+def _first_recovery(
+    client: RelaunchClient, job_id: int, after: datetime, wait_s: float = 15.0
+) -> anatomy.Recovery | None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        for item in client.recoveries(job_id):
+            failed = datetime.fromisoformat(item["moments"]["failed"])
+            if failed >= after and "rendezvous" in item["moments"]:
+                moments = {
+                    name: (datetime.fromisoformat(at), item["clocks"][name])
+                    for name, at in item["moments"].items()
+                }
+                return anatomy.Recovery(item["cause"], moments, anatomy.phases(moments))
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    scenario: str
+    system: str
+    repeat: int
+    recovery_s: float | None  # None: not within the timeout
+    steps_per_s: float | None  # before the fault, at world size 2
+    recovery: anatomy.Recovery
+
+
 def run_trial(
-    system: RawTorchrun | Relaunch, scenario: str, index: int, timeout_s: float
-) -> float | None:
+    system: RawTorchrun | Relaunch,
+    scenario: str,
+    index: int,
+    timeout_s: float,
+    window_s: float,
+) -> tuple[float | None, float | None, anatomy.Recovery]:
+    """(seconds to recover, steps/s before the fault, the recovery's phases)."""
     _, expected = SCENARIOS[scenario]
     with system.trial(index) as (trial, start_node):
         if trial.first_step(0.0, 2, timeout_s=120) is None:
             raise RuntimeError(f"{system.name}: the job never trained at world size 2")
         time.sleep(1.0)
+        window_start = time.time()
+        time.sleep(window_s)
+        steps_per_s = trial.steps_per_s(window_start, time.time())
         fault_at = time.time()
         if scenario == "worker_kill":
             trial.worker_of_rank(1).kill()
@@ -235,7 +325,31 @@ def run_trial(
             kill_node(trial.nodes.pop(node))
         elif scenario == "node_add":
             start_node("c")
-        return trial.first_step(fault_at, expected, timeout_s)
+        seconds = trial.first_step(fault_at, expected, timeout_s)
+        recovery = system.recovery(trial, fault_at, expected)
+        return seconds, steps_per_s, recovery
+
+
+def probe_recovery(
+    trial: Trial, fault_at: float, world: int, reported: anatomy.Recovery | None = None
+) -> anatomy.Recovery:
+    """The recovery after ``fault_at``: the fault, what the controller ``reported`` of
+    it (its failure and rendezvous), and the probe's own start moments, which are the
+    same for both launchers."""
+    moments: dict[str, tuple[datetime, str]] = {"fault": (_at(fault_at), anatomy.OBSERVER)}
+    cause = "fault"
+    if reported is not None:
+        cause = reported.cause
+        for name in ("failed", "rendezvous"):
+            if name in reported.moments:
+                moments[name] = reported.moments[name]
+    for name, seconds in trial.startup_moments(fault_at, world).items():
+        moments[name] = (_at(seconds), "rank 0 worker")
+    return anatomy.Recovery(cause, moments, anatomy.phases(moments))
+
+
+def _at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,29 +362,171 @@ def main(argv: list[str] | None = None) -> None:
         default=90.0,
         help="seconds after the fault before a trial counts as 'never'",
     )
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=5.0,
+        help="seconds of undisturbed training before the fault over which steps/s is measured",
+    )
+    parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     work = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
+    work.chmod(0o711)  # jobs run as users of their own and must pass through it
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raw, relaunch = RawTorchrun(work), Relaunch(work)
-    results: dict[tuple[str, str], list[float | None]] = {}
+    trials: list[TrialResult] = []
     index = 0
     try:
         for scenario in scenarios:
             for rep in range(args.repeats):
                 for system in (raw, relaunch):
                     index += 1
-                    seconds = run_trial(system, scenario, index, args.timeout)
-                    results.setdefault((scenario, system.name), []).append(seconds)
+                    seconds, rate, recovery = run_trial(
+                        system, scenario, index, args.timeout, args.window
+                    )
+                    trials.append(
+                        TrialResult(scenario, system.name, rep + 1, seconds, rate, recovery)
+                    )
                     shown = "never" if seconds is None else f"{seconds:.1f} s"
                     console.print(f"{scenario} #{rep + 1} {system.name}: {shown}")
     finally:
         relaunch.close()
+    results: dict[tuple[str, str], list[float | None]] = {}
+    for trial in trials:
+        results.setdefault((trial.scenario, trial.system), []).append(trial.recovery_s)
     print_table(results, scenarios, args.repeats, args.timeout)
+    print_phases(trials, scenarios, args.repeats)
+    print_throughput(trials, args.window)
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures(trials, args), indent=2) + "\n")
+        console.print(f"figures in {args.json}")
     console.print(f"logs in {work}")
+
+
+SYSTEMS = ("raw torchrun", "relaunch")
+PHASE_NAMES = [name for name, _ in anatomy.PHASES]
+
+
+def _phase_medians(trials: list[TrialResult]) -> dict[str, dict[str, Any]]:
+    """Per phase: the median seconds of the trials that measured it, and what it ran
+    from (the most common start; it differs when a moment was not reported)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in PHASE_NAMES:
+        found = [p for t in trials for p in t.recovery.phases if p.name == name]
+        measured = [p for p in found if p.seconds is not None]
+        sinces = [p.since for p in measured]
+        out[name] = {
+            "median_s": statistics.median(p.seconds for p in measured if p.seconds is not None)
+            if measured
+            else None,
+            "since": max(set(sinces), key=sinces.count) if sinces else None,
+            "trials": len(measured),
+        }
+    return out
+
+
+def _throughput(trials: list[TrialResult]) -> dict[str, float | None]:
+    medians: dict[str, float | None] = {}
+    for system in SYSTEMS:
+        rates = [t.steps_per_s for t in trials if t.system == system and t.steps_per_s]
+        medians[system] = statistics.median(rates) if rates else None
+    raw, rl = medians["raw torchrun"], medians["relaunch"]
+    medians["relaunch / raw torchrun"] = rl / raw if rl is not None and raw else None
+    return medians
+
+
+def figures(trials: list[TrialResult], args: argparse.Namespace) -> dict[str, Any]:
+    """Every figure measured, per trial and as medians, as plain JSON data."""
+
+    def recovery_data(recovery: anatomy.Recovery) -> dict[str, Any]:
+        return {
+            "cause": recovery.cause,
+            "moments": {
+                name: {"time": at.timestamp(), "clock": clock}
+                for name, (at, clock) in recovery.moments.items()
+            },
+            "phases": [
+                {"name": p.name, "since": p.since, "seconds": p.seconds, "same_clock": p.same_clock}
+                for p in recovery.phases
+            ],
+        }
+
+    medians: dict[str, dict[str, Any]] = {}
+    for trial in trials:
+        medians.setdefault(trial.scenario, {})
+    for scenario, by_system in medians.items():
+        for system in SYSTEMS:
+            chosen = [t for t in trials if t.scenario == scenario and t.system == system]
+            rates = [t.steps_per_s for t in chosen if t.steps_per_s]
+            by_system[system] = {
+                "recovery_s": _median([t.recovery_s for t in chosen]),
+                "steps_per_s": statistics.median(rates) if rates else None,
+                "phases": _phase_medians(chosen),
+            }
+    return {
+        "settings": {
+            "repeats": args.repeats,
+            "scenarios": [s for s in args.scenarios.split(",") if s],
+            "timeout_s": args.timeout,
+            "window_s": args.window,
+        },
+        "trials": [
+            {
+                "scenario": t.scenario,
+                "system": t.system,
+                "repeat": t.repeat,
+                "recovery_s": t.recovery_s,
+                "steps_per_s": t.steps_per_s,
+                "recovery": recovery_data(t.recovery),
+            }
+            for t in trials
+        ],
+        "medians": medians,
+        "throughput_steps_per_s": _throughput(trials),
+    }
+
+
+def print_phases(trials: list[TrialResult], scenarios: list[str], repeats: int) -> None:
+    table = Table(
+        title=f"where the recovery's seconds go (median of {repeats}; a phase runs from the "
+        "moment before it, '← x' when that one was not seen; one machine, so one clock)"
+    )
+    for col in ("scenario", "system", *(n.replace("_", " ") for n in PHASE_NAMES)):
+        table.add_column(col)
+    natural = dict(zip(PHASE_NAMES, ["fault", *(m for _, m in anatomy.PHASES)], strict=False))
+    for scenario in scenarios:
+        for system in SYSTEMS:
+            chosen = [t for t in trials if t.scenario == scenario and t.system == system]
+            cells = []
+            for name, phase in _phase_medians(chosen).items():
+                if phase["median_s"] is None:
+                    cells.append("-")
+                    continue
+                since = "" if phase["since"] == natural[name] else f" ← {phase['since']}"
+                cells.append(f"{phase['median_s']:.2f}{since}")
+            table.add_row(scenario, system, *cells)
+    console.print(table)
+
+
+def print_throughput(trials: list[TrialResult], window: float) -> None:
+    table = Table(
+        title=f"training throughput, steps/s over {window:.0f} s of undisturbed training at "
+        "world size 2 (median of every trial)"
+    )
+    for col in ("raw torchrun", "relaunch", "relaunch / raw torchrun"):
+        table.add_column(col)
+    rates = _throughput(trials)
+    table.add_row(
+        *(
+            "-" if rates[k] is None else f"{rates[k]:.2f}"
+            for k in ("raw torchrun", "relaunch", "relaunch / raw torchrun")
+        )
+    )
+    console.print(table)
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -119,14 +119,38 @@ class LauncherExited(EventData):
     fatal: bool = False
 
 
+class WorkerStartup(BaseModel):
+    """When rank 0's worker process reached each step of its start, by its node's clock.
+
+    ``process_started_at`` is when the process was created (the kernel's record of
+    it), ``imported_at`` when the worker's first code ran after importing torch,
+    then ``process_group_at`` (the process group joined), ``snapshot_loaded_at``
+    (resumed from a snapshot) and ``first_step_at`` (the first optimizer step done).
+    A moment the worker did not see is None (a script that loads no snapshot, or
+    joins the process group itself).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    process_started_at: datetime | None = None
+    imported_at: datetime | None = None
+    process_group_at: datetime | None = None
+    snapshot_loaded_at: datetime | None = None
+    first_step_at: datetime | None = None
+
+
 class TrainingStarted(EventData):
-    """Training (re)started; ``resumed_from_step`` is None when it starts from scratch."""
+    """Training (re)started; ``resumed_from_step`` is None when it starts from scratch.
+
+    ``startup`` holds the moments of the process's start seen so far (no first step).
+    """
 
     kind = EventKind.STARTED
     world_size: Count | None = None
     restart_count: Count | None = None
     resumed_from_step: Count | None = None
     total_steps: Count | None = None
+    startup: WorkerStartup | None = None
 
 
 # Named scalar metrics of one progress report: a few short names, each a number.
@@ -149,6 +173,8 @@ class TrainingProgress(EventData):
     metrics: dict[MetricName, FiniteOrNone] = Field(
         default_factory=dict, max_length=MAX_NAMED_METRICS
     )
+    # Only on the first report of a worker process: its start, first step included.
+    startup: WorkerStartup | None = None
 
 
 class SnapshotSaved(EventData):

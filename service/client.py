@@ -292,6 +292,10 @@ class RelaunchClient:
         """The job's timeline, oldest first, from the event after ``after_id``."""
         return self._items(f"/api/v1/jobs/{job_id}/events", after_id=after_id, limit=limit)
 
+    def recoveries(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's restarts and re-forms with their phases, oldest first."""
+        return self._items(f"/api/v1/jobs/{job_id}/recoveries")
+
     def metrics(self, job_id: int, after_id: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
         """The job's training metrics (step, loss, …), oldest first, after ``after_id``."""
         return self._items(f"/api/v1/jobs/{job_id}/metrics", after_id=after_id, limit=limit)

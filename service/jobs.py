@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.interfaces import ORMOption
 
-from service import fence
+from service import anatomy, fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.job_events import add_event
@@ -260,6 +260,18 @@ def job_events(
     session: Session, job_id: int, viewer: User, after_id: int, limit: int
 ) -> list[JobEvent]:
     return _page_after(session, JobEvent, job_id, viewer, after_id, limit)
+
+
+def job_recoveries(session: Session, job_id: int, viewer: User) -> list[anatomy.Recovery]:
+    """The job's restarts and re-forms with their phases, oldest first (see ``anatomy``)."""
+    job_for(session, job_id, viewer)
+    kinds = (*anatomy.CAUSES, "rendezvous", *anatomy.STARTUP_KINDS)
+    rows = session.scalars(
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.kind.in_(kinds))
+        .order_by(JobEvent.id)
+    )
+    return anatomy.recoveries(anatomy.from_rows(list(rows)))
 
 
 def job_metrics(

@@ -283,6 +283,13 @@ def _progress(data: TrainingProgress, at: _Applied) -> None:
     )
     at.job.last_step = data.step
     at.job.last_loss = data.loss
+    if data.startup is not None:  # the first report of a worker process
+        at.add_event(
+            "first_step",
+            f"rank 0's new worker process reports its first steps (step {data.step}, "
+            f"world size {data.world_size})",
+            data,
+        )
 
 
 @_apply_event.register

@@ -110,6 +110,32 @@ class EventsPublic(BaseModel):
     items: list[EventPublic]
 
 
+class PhasePublic(_FromRow):
+    """One phase of a recovery: from the moment ``since`` to the one it is named after;
+    ``same_clock`` false when the two moments were taken by different clocks (two
+    nodes, or a node and the controller), whose difference the seconds then hold too."""
+
+    name: str
+    since: str
+    seconds: float | None
+    same_clock: bool
+
+
+class RecoveryPublic(BaseModel):
+    """One restart or re-form of a job: what caused it, when each of its moments was
+    (and whose clock took it: ``controller``, ``node N``), and its phases in order."""
+
+    cause: str
+    moments: dict[str, datetime]
+    clocks: dict[str, str]
+    phases: list[PhasePublic]
+    total_s: float | None
+
+
+class RecoveriesPublic(BaseModel):
+    items: list[RecoveryPublic]
+
+
 class MetricPublic(_FromRow):
     id: int
     time: datetime

@@ -7,7 +7,7 @@ Usage (the node agent builds it; torchrun starts one per local rank)::
 
 The program runs unchanged: as ``__main__``, with ``sys.argv`` and (for a
 script) ``sys.path[0]`` as ``python SCRIPT`` / ``python -m MODULE`` set them. The
-bootstrap adds three things around it:
+bootstrap adds four things around it:
 
 - torch's ``@record``: an uncaught exception is written to the worker's error
   file, so the launcher learns its type (a start-up error such as an
@@ -16,7 +16,9 @@ bootstrap adds three things around it:
   every thread of a hung worker, into the worker's stderr (the job's logs);
 - a count of optimizer steps (``worker.runtime.step_counter``): a script that
   reports nothing still shows its step and step time, and beats the
-  hang-detection progress with every step.
+  hang-detection progress with every step;
+- the moments of the process's start (``worker.runtime.startup``): once torch
+  is imported, and the first optimizer step.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def main() -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from worker.runtime import step_counter
+    from worker.runtime import startup, step_counter
 
+    startup.mark(startup.Moment.IMPORTED)
     step_counter.install()
     record(run_program)(sys.argv[1:])
 

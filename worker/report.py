@@ -31,6 +31,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from contract.events import MAX_NAMED_METRICS, TrainingProgress, TrainingStarted
+from worker.runtime import startup
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import beat
 
@@ -47,6 +48,7 @@ class Reporter:
         self._writer: EventWriter | None = None
         self.explicit_steps = False
         self.resumed_from_step: int | None = None
+        self._startup_sent = False
 
     @property
     def writer(self) -> EventWriter:
@@ -82,7 +84,9 @@ class Reporter:
             step_time_s=step_time_s,
             world_size=_world_size(),
             metrics=dict(metrics or {}),
+            startup=None if self._startup_sent else startup.startup(),
         )
+        self._startup_sent = True
         self.writer.emit(progress)
 
 
@@ -130,7 +134,9 @@ def started(total_steps: int | None = None) -> None:
 
 def resumed(step: int, total_steps: int | None = None) -> None:
     """Report that training resumed from the script's own snapshot taken at ``step``;
-    the job's timeline shows "training resumed from snapshot at step N"."""
+    the job's timeline shows "training resumed from snapshot at step N". Call it right
+    after loading: it marks when the snapshot was loaded."""
+    startup.mark(startup.Moment.SNAPSHOT_LOADED)
     _reporter.resumed_from_step = step
     _emit_started(step, total_steps)
 
@@ -146,6 +152,7 @@ def _emit_started(resumed_from_step: int | None, total_steps: int | None) -> Non
         restart_count=int(restart_count) if restart_count.isdigit() else None,
         resumed_from_step=resumed_from_step,
         total_steps=total_steps,
+        startup=startup.startup(),
     )
     _reporter.writer.emit(started)
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from sqlalchemy.orm import Session
 
 from service import jobs
+from service.anatomy import Recovery
 from service.api.deps import (
     MAX_ID,
     FactoryDep,
@@ -37,6 +38,9 @@ from service.schemas import (
     MemberPublic,
     MetricPublic,
     MetricsPublic,
+    PhasePublic,
+    RecoveriesPublic,
+    RecoveryPublic,
     SnapshotPublic,
     SnapshotsPublic,
 )
@@ -193,6 +197,25 @@ def events(
 ) -> EventsPublic:
     rows = jobs.job_events(session, job_id, user, after_id, limit)
     return EventsPublic(items=[EventPublic.model_validate(r) for r in rows])
+
+
+@router.get("/{job_id}/recoveries", response_model=RecoveriesPublic)
+def recoveries(job_id: IdPath, session: ReadSessionDep, user: UserDep) -> RecoveriesPublic:
+    """Each restart or re-form of the job, oldest first, with how long its phases took:
+    detection, rendezvous, process start, imports, process group, snapshot load, first
+    step. A phase the workers did not report is null, and the next one covers it."""
+    found = jobs.job_recoveries(session, job_id, user)
+    return RecoveriesPublic(items=[recovery_public(r) for r in found])
+
+
+def recovery_public(recovery: Recovery) -> RecoveryPublic:
+    return RecoveryPublic(
+        cause=recovery.cause,
+        moments={name: at for name, (at, _) in recovery.moments.items()},
+        clocks={name: clock for name, (_, clock) in recovery.moments.items()},
+        phases=[PhasePublic.model_validate(phase) for phase in recovery.phases],
+        total_s=recovery.total_s,
+    )
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)

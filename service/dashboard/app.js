@@ -299,11 +299,21 @@ function lossChart(metrics, events) {
   return svg;
 }
 
+// One recovery as a line of text: its cause, then each phase reported, in order.
+function recoveryText(recovery) {
+  const phases = recovery.phases
+    .filter((p) => p.seconds !== null)
+    .map((p) => `${p.name.replaceAll("_", " ")} ${p.seconds.toFixed(2)} s${p.same_clock ? "" : "*"}`);
+  const total = recovery.total_s !== null ? ` = ${recovery.total_s.toFixed(2)} s` : " (not back yet)";
+  return `${clock(recovery.moments.failed)} ${recovery.cause}: ${phases.join(" · ")}${total}`;
+}
+
 function jobPage(jobId) {
   const seen = { events: [], metrics: [], logs: new Map(), eventId: 0, metricId: 0, logId: 0 };
   const head = h("section", { class: "card" });
   const chart = h("section", { class: "card" }, h("h3", {}, "Loss and throughput"));
   const timeline = h("tbody");
+  const recoveries = h("ul", { "data-testid": "recoveries" });
   const attempts = h("tbody");
   const snapshots = h("tbody");
   const logs = h("div", { class: "grid logs" });
@@ -315,7 +325,9 @@ function jobPage(jobId) {
       "div",
       { class: "grid" },
       h("section", { class: "card" }, h("h3", {}, "Timeline"),
-        h("table", { "data-testid": "timeline" }, timeline)),
+        h("table", { "data-testid": "timeline" }, timeline),
+        h("h3", {}, "Recoveries"), recoveries,
+        h("p", { class: "muted" }, "* between two clocks (two nodes, or a node and the controller): holds their difference too")),
       h(
         "div",
         {},
@@ -362,11 +374,12 @@ function jobPage(jobId) {
   return {
     async refresh() {
       const job = await get(`/jobs/${jobId}`);
-      const [events, metrics, lines, snaps] = await Promise.all([
+      const [events, metrics, lines, snaps, recovered] = await Promise.all([
         getNew(`/jobs/${jobId}/events?after_id=${seen.eventId}`),
         getNew(`/jobs/${jobId}/metrics?after_id=${seen.metricId}`),
         getNew(`/jobs/${jobId}/logs?after_id=${seen.logId}&limit=1000`),
         get(`/jobs/${jobId}/snapshots`),
+        get(`/jobs/${jobId}/recoveries`),
       ]);
       seen.events.push(...events.items);
       seen.metrics.push(...metrics.items);
@@ -389,6 +402,9 @@ function jobPage(jobId) {
         ...seen.events.map((e) =>
           h("tr", { "data-kind": e.kind }, fit(clock(e.time)), fit(e.kind), h("td", {}, e.message)),
         ),
+      );
+      recoveries.replaceChildren(
+        ...recovered.items.map((r) => h("li", { "data-cause": r.cause }, recoveryText(r))),
       );
       attempts.replaceChildren(
         ...job.attempts.map((a) =>

@@ -181,3 +181,38 @@ def test_a_report_holds_typed_events() -> None:
     body["events"].append(json.loads(line("progress", step=-1)))
     with pytest.raises(ValidationError, match="step"):
         AttemptReport.model_validate(body)
+
+
+STARTUP = {
+    "process_started_at": "2026-11-22T00:00:01Z",
+    "imported_at": "2026-11-22T00:00:03Z",
+    "process_group_at": "2026-11-22T00:00:04Z",
+    "snapshot_loaded_at": None,
+    "first_step_at": "2026-11-22T00:00:05Z",
+}
+
+
+@pytest.mark.parametrize("kind", ["started", "progress"])
+def test_a_start_without_its_moments_reads_as_before_and_travels_without_them(kind: str) -> None:
+    event = parse_event(line(kind, world_size=2))
+    assert event.data.startup is None  # type: ignore[union-attr]
+    back = parse_event(event.model_dump_json())
+    assert back == event
+    assert json.loads(event.model_dump_json())["data"]["startup"] is None
+
+
+@pytest.mark.parametrize("kind", ["started", "progress"])
+def test_a_start_with_its_moments_travels_and_comes_back_the_same(kind: str) -> None:
+    event = parse_event(line(kind, world_size=2, startup=STARTUP))
+    startup = event.data.startup  # type: ignore[union-attr]
+    assert startup is not None
+    assert startup.process_started_at == datetime(2026, 11, 22, 0, 0, 1, tzinfo=UTC)
+    assert startup.snapshot_loaded_at is None
+    wire = json.loads(event.model_dump_json())["data"]["startup"]
+    assert wire == STARTUP
+    assert parse_event(event.model_dump_json()) == event
+
+
+def test_a_start_moment_that_is_no_time_is_refused() -> None:
+    with pytest.raises(ValidationError, match="imported_at"):
+        parse_event(line("started", startup={"imported_at": "soon"}))

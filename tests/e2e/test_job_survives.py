@@ -49,6 +49,23 @@ def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert resumed, kinds
     assert resumed[0]["data"]["resumed_from_step"] > 0
+    # The restart taken apart: every phase the Trainer reports, each moment after the one
+    # before it (one machine, one clock). The fault's own moment only the killer knows.
+    recovery = client.recoveries(job_id)[0]
+    assert recovery["cause"] == "worker_failed", recovery
+    phases = {p["name"]: p["seconds"] for p in recovery["phases"]}
+    assert phases.pop("detection") is None
+    assert all(seconds is not None and seconds >= 0 for seconds in phases.values()), recovery
+    assert list(recovery["moments"]) == [
+        "failed",
+        "rendezvous",
+        "process_started",
+        "imported",
+        "process_group",
+        "snapshot_loaded",
+        "first_step",
+    ]
+    assert recovery["total_s"] == pytest.approx(sum(phases.values()))
     steps = [m["step"] for m in client.metrics(job_id)]
     assert steps[-1] == job["total_steps"]
     # A worker's own log lines name the job's attempt number and the global rank, the same

@@ -10,6 +10,7 @@ import pytest
 
 from contract.events import EventKind, parse_event
 from worker import report
+from worker.runtime import startup
 
 
 @pytest.fixture
@@ -20,6 +21,7 @@ def events_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(report, "_reporter", report.Reporter())
+    startup.forget()
     return path
 
 
@@ -28,7 +30,7 @@ def test_rank_0_reports_steps_with_loss_speed_and_named_metrics(events_file: Pat
     [line] = events_file.read_text().splitlines()
     event = parse_event(line)
     assert event.kind is EventKind.PROGRESS
-    assert event.data.model_dump() == {
+    assert event.data.model_dump(exclude={"startup"}) == {
         "step": 7,
         "epoch": 1,
         "loss": 0.5,
@@ -40,6 +42,19 @@ def test_rank_0_reports_steps_with_loss_speed_and_named_metrics(events_file: Pat
     assert report.process_reporter().explicit_steps
 
 
+def test_the_first_report_of_a_process_carries_its_start_and_the_next_ones_do_not(
+    events_file: Path,
+) -> None:
+    startup.mark(startup.Moment.FIRST_STEP)
+    report.step(1)
+    report.step(2)
+    first, second = (parse_event(line).data for line in events_file.read_text().splitlines())
+    assert first.startup is not None  # type: ignore[union-attr]
+    assert first.startup.first_step_at is not None  # type: ignore[union-attr]
+    assert first.startup.process_started_at is not None  # type: ignore[union-attr]
+    assert second.startup is None  # type: ignore[union-attr]
+
+
 def test_resumed_names_the_step_of_the_snapshot(events_file: Path) -> None:
     report.resumed(40, total_steps=100)
     [line] = events_file.read_text().splitlines()
@@ -49,6 +64,9 @@ def test_resumed_names_the_step_of_the_snapshot(events_file: Path) -> None:
     assert event.data.total_steps == 100
     assert event.data.world_size == 2
     assert not report.process_reporter().explicit_steps
+    moments = event.data.startup
+    assert moments is not None and moments.snapshot_loaded_at is not None
+    assert moments.first_step_at is None
 
 
 def test_other_ranks_report_nothing(events_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:

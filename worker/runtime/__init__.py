@@ -15,5 +15,6 @@ them does not pull in the others):
 - ``model_prep``: seeding and model preparation (BatchNorm → SyncBatchNorm on CUDA).
 - ``collectives``: snapshot agreement across ranks, loss averaging.
 - ``config``: ``TrainerConfig``.
+- ``startup``: the moments of the worker process's start, reported with its events.
 - ``trainer``: ``Trainer``, the DDP training loop tying the above together.
 """

@@ -10,8 +10,9 @@ each per batch therefore shows two steps per batch.
 
 The count stays quiet once the script reports its own steps (``report.step``,
 or the built-in ``Trainer``). It starts from the step a ``report.resumed`` call
-named. A failure inside the hook is logged once and turns the count off:
-counting must never stop training.
+named. The first step of any optimizer is the process's first step (see
+``worker.runtime.startup``). A failure inside the hook is logged once and turns
+the count off: counting must never stop training.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from worker.report import Reporter, process_reporter
+from worker.runtime import startup
 from worker.runtime.progress import beat
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ def install(
     counter = StepCounter(reporter or process_reporter())
 
     def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        startup.mark(startup.Moment.FIRST_STEP)
         counter.on_step(clock())
 
     register_optimizer_step_post_hook(hook)

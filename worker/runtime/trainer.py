@@ -41,6 +41,7 @@ from contract.events import (
 )
 from contract.paths import is_url
 from worker import report
+from worker.runtime import startup
 from worker.runtime.collectives import agree_on_snapshot, mean_across_ranks
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv, device_for, init_distributed, shutdown_distributed
@@ -105,6 +106,7 @@ class Trainer:
         self._owns_process_group = not dist.is_initialized()
         if self._owns_process_group:
             self.device = init_distributed(self.env)
+            startup.mark(startup.Moment.PROCESS_GROUP)
         else:
             self.device = device_for(self.env)
         self.rank = dist.get_rank()
@@ -142,6 +144,7 @@ class Trainer:
         self.resumed_from_step: int | None = None
         self._last_snapshot_step: int | None = None
         self._last_loss: float | None = None
+        self._startup_sent = False  # the first progress report carries the start's moments
         self._window_start = time.monotonic()  # throughput since the last progress report
         self._window_samples = 0
         self._load_snapshot()
@@ -178,6 +181,7 @@ class Trainer:
                 restart_count=self.env.restart_count,
                 resumed_from_step=self.resumed_from_step,
                 total_steps=self._total_steps(),
+                startup=startup.startup(),
             )
         )
         if self.rank == 0:
@@ -259,6 +263,7 @@ class Trainer:
         for index, (inputs, targets) in enumerate(self.loader):
             loss = self._run_batch(inputs, targets)
             self.step += 1
+            startup.mark(startup.Moment.FIRST_STEP)
             beat()
             self._freeze_drill()
             self._last_loss = loss
@@ -313,8 +318,10 @@ class Trainer:
                 loss=mean_loss,
                 samples_per_s=round(rate, 1),
                 world_size=self.world_size,
+                startup=None if self._startup_sent else startup.startup(),
             )
         )
+        self._startup_sent = True
         logger.info("step %d epoch %d loss %.5f %.0f samples/s", self.step, epoch, mean_loss, rate)
 
     def _total_steps(self) -> int:
@@ -405,6 +412,7 @@ class Trainer:
         )
         self.step = self._last_snapshot_step = snapshot.step
         self.resumed_from_step = snapshot.step
+        startup.mark(startup.Moment.SNAPSHOT_LOADED)
         self.epoch = snapshot.epoch
         self.samples_consumed = snapshot.samples_consumed
         if self.rank == 0:
