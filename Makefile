@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint postgres browser bench bench-snapshots bench-status \
+.PHONY: install demo test test-fast lint postgres browser slurm bench bench-snapshots bench-status \
 	bench-control-plane bench-chaos clean
 
 install: $(VENV)/.installed
@@ -33,15 +33,26 @@ browser:
 	  apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES); }
 	@command -v chromium >/dev/null || { echo "chromium is not installed" >&2; exit 1; }
 
+# Slurm's daemons and commands for tests/deploy/test_slurm.py, which starts its own
+# slurmctld and two slurmd on this host (as root) and stops them; shellcheck for the sbatch
+# script. The packages' services stay stopped where no init runs, and find no slurm.conf
+# where one does.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge shellcheck
+slurm:
+	@command -v slurmd >/dev/null && command -v shellcheck >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  $(SLURM_PACKAGES); }
+	@command -v slurmd >/dev/null || { echo "slurmd is not installed" >&2; exit 1; }
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: install postgres browser lint
+test: install postgres browser slurm lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-# The inner loop: no lint, no e2e or deploy tests (real processes, PostgreSQL, Chromium),
+# The inner loop: no lint, no e2e or deploy tests (real processes, PostgreSQL, Chromium, Slurm),
 # and the database tests on SQLite only; pytest's summary says how many it deselected.
 # `make test` is what CI runs.
 test-fast: install
