@@ -307,8 +307,13 @@ def test_the_controller_runs_unprivileged_on_a_read_only_root() -> None:
     assert context["capabilities"] == {"drop": ["ALL"]}
     assert context["readOnlyRootFilesystem"] is True
     # What it may write is mounted: its data dir and /tmp.
+    env = plain_env(container)
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {plain_env(container)["RELAUNCH_DATA_DIR"], "/tmp"} <= mounted
+    assert {env["RELAUNCH_DATA_DIR"], "/tmp"} <= mounted
+    # It makes the snapshot root at start if missing, which a read-only root refuses: the
+    # image holds it already.
+    made = rf"install -d .* {re.escape(env['RELAUNCH_SNAPSHOT_ROOT'])}$"
+    assert re.search(made, (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert pod_spec(controller)["automountServiceAccountToken"] is False
 
 
