@@ -30,7 +30,7 @@ from tests.helpers import FakeClock, wait_for
 from tests.service.conftest import PG_SECRETS_KEY
 from tests.service.helpers import ENROLMENT_TOKEN, bearer, register
 
-NODES = 60
+NODES = 100
 BEATS = 3
 API_THREADS = 4
 
