@@ -12,7 +12,6 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,7 +26,6 @@ from service.db import make_engine, make_session_factory, transaction
 from service.models import Node
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock, wait_for
-from tests.service.conftest import PG_SECRETS_KEY
 from tests.service.helpers import ENROLMENT_TOKEN, bearer, register
 
 NODES = 100
@@ -36,16 +34,10 @@ API_THREADS = 4
 
 
 @pytest.fixture
-def server_url(db_url: str, tmp_path: Path, clock: FakeClock) -> Iterator[str]:
+def server_url(settings: ControllerSettings, clock: FakeClock) -> Iterator[str]:
     """The controller served by uvicorn (its lifespan included) with few threads."""
-    settings = ControllerSettings(
-        data_dir=tmp_path / "data",
-        database_url=db_url,
-        secrets_keys=None if db_url.startswith("sqlite") else PG_SECRETS_KEY,
-        enrolment_token=ENROLMENT_TOKEN,
-        api_threads=API_THREADS,
-    )
-    app = create_app(settings, clock=clock, run_background=False)
+    few_threads = settings.model_copy(update={"api_threads": API_THREADS})
+    app = create_app(few_threads, clock=clock, run_background=False)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
