@@ -16,6 +16,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import StaleState
@@ -28,6 +29,9 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 # migrate one after the other, and the later ones find the schema at head.
 MIGRATION_LOCK_KEY = 0x72656C61756E6368  # "relaunch"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+# Connections an engine may hold at once unless told: the pool keeps this many open at most.
+DEFAULT_CONNECTIONS = 30
+_KEPT_OPEN = 10  # connections the pool keeps open while idle; the rest close when returned
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -103,19 +107,29 @@ def make_sqlite_parent(url: str) -> None:
             _tighten(each, 0o600)
 
 
-def _sqlite_engine(url: str) -> Engine:
+def _pool_size(connections: int) -> dict[str, int]:
+    """Pool arguments that let ``connections`` be held at once, no more."""
+    if connections < 1:
+        raise ValueError(f"an engine needs at least one connection, not {connections}")
+    kept = min(_KEPT_OPEN, connections)
+    return {"pool_size": kept, "max_overflow": connections - kept}
+
+
+def _sqlite_engine(url: str, connections: int) -> Engine:
     """An engine on the SQLite file ``url`` names (made if missing), with its pragmas;
     the caller says how its transactions begin."""
     make_sqlite_parent(url)
     engine = create_engine(
-        url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+        url,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        **_pool_size(connections),
     )
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine
 
 
-def make_read_engine(url: str, engine: Engine) -> Engine:
-    """An engine for transactions that only read.
+def make_read_engine(url: str, engine: Engine, connections: int = DEFAULT_CONNECTIONS) -> Engine:
+    """An engine for transactions that only read, of at most ``connections`` connections.
 
     On SQLite they begin as plain (deferred) transactions: in WAL mode they read
     a consistent snapshot while one writer writes, instead of queueing behind
@@ -125,7 +139,7 @@ def make_read_engine(url: str, engine: Engine) -> Engine:
     url = normalize_url(url)
     if make_url(url).get_backend_name() != "sqlite":
         return engine
-    read = _sqlite_engine(url)
+    read = _sqlite_engine(url, connections)
     event.listen(read, "begin", _sqlite_begin_read)
     return read
 
@@ -138,14 +152,16 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, connections: int = DEFAULT_CONNECTIONS) -> Engine:
+    """An engine of at most ``connections`` connections; a caller that needs one more
+    waits for one to be returned (``TimeoutError`` after 30 s)."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        engine = _sqlite_engine(url)
+        engine = _sqlite_engine(url, connections)
         event.listen(engine, "begin", _sqlite_begin)  # one writing transaction at a time
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, **_pool_size(connections))
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
@@ -173,6 +189,15 @@ def retry_on_stale(
                 raise
             logger.info("lost a compare-and-set; retrying (%d)", attempt + 1)
     raise AssertionError("unreachable")
+
+
+def database_busy(exc: Exception) -> bool:
+    """Whether ``exc`` says the database is busy rather than broken, so that the same
+    request may succeed later: SQLite's write lock stayed taken past the busy timeout,
+    or every pooled connection stayed in use past the pool's timeout."""
+    if isinstance(exc, PoolTimeout):
+        return True
+    return isinstance(exc, OperationalError) and "database is locked" in str(exc.orig)
 
 
 def alembic_config(url: str) -> Config:

@@ -13,6 +13,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.paths import is_url
 
+# Connections beyond the API's threads: one for the reconciler's thread, the rest a margin.
+RESERVED_CONNECTIONS = 4
+
 
 def _default_data_dir() -> Path:
     return Path.home() / ".relaunch"
@@ -45,6 +48,13 @@ class ControllerSettings(BaseSettings):
         description="Address the API listens on; loopback unless you choose otherwise",
     )
     port: int = Field(default=8080, ge=0, le=65535)
+    api_threads: int = Field(
+        default=40,
+        ge=1,
+        le=1000,
+        description="Threads that run the API's routes; the database pool is sized to "
+        "match (this many connections, and a few more for the reconciler)",
+    )
 
     snapshot_root: str | None = Field(
         default=None,
@@ -162,6 +172,12 @@ class ControllerSettings(BaseSettings):
     def db_url(self) -> str:
         assert self.database_url is not None  # filled by the validator
         return self.database_url
+
+    @property
+    def database_connections(self) -> int:
+        """Enough that no route thread ever waits for a connection: one for each, and
+        ``RESERVED_CONNECTIONS`` for the reconciler's thread."""
+        return self.api_threads + RESERVED_CONNECTIONS
 
     @property
     def database_is_sqlite(self) -> bool:

@@ -10,10 +10,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import ReportRefused
@@ -22,6 +24,7 @@ from service.api import enrolment, health, jobs, metrics, nodes, rendezvous, use
 from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
 from service.db import (
+    database_busy,
     make_engine,
     make_private_dir,
     make_read_engine,
@@ -77,14 +80,17 @@ def create_app(
     tests of the API alone turn that off. The keys of jobs' env values are ``keyring``,
     else loaded from ``settings`` at start; either way checked against the database
     before the app serves."""
-    engine = make_engine(settings.db_url)
+    engine = make_engine(settings.db_url, settings.database_connections)
     factory = make_session_factory(engine)
-    read_engine = make_read_engine(settings.db_url, engine)
+    read_engine = make_read_engine(settings.db_url, engine, settings.database_connections)
     read_factory = make_session_factory(read_engine)
     controller_metrics = ControllerMetrics(read_factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The sync routes run on this loop's default thread limiter; the pools were sized
+        # from the same setting, so no route thread waits for a connection.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         _make_data_dir(settings)
         wait_for_database(engine, settings.database_wait_s)
         upgrade_to_head(settings.db_url)
@@ -243,6 +249,19 @@ def _map_errors(app: FastAPI) -> None:
         logger.error("%s", exc)
         return JSONResponse(
             status_code=status.HTTP_500_INTERNAL_SERVER_ERROR, content={"detail": str(exc)}
+        )
+
+    @app.exception_handler(SQLAlchemyError)
+    async def database_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # Busy (SQLite's write lock or every pooled connection stayed taken past its
+        # timeout): nothing was committed, and agents retry a 503 after Retry-After.
+        if not database_busy(exc):
+            raise exc
+        logger.warning("database busy, answered 503: %s", exc)
+        return JSONResponse(
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            content={"detail": "the database is busy; retry"},
+            headers={"Retry-After": "1"},
         )
 
     @app.exception_handler(InvalidTransition)

@@ -65,7 +65,10 @@ def get_session_factory(request: Request) -> sessionmaker[Session]:
 
 
 # scope="function": commit before the response is sent, so a client that got 201
-# can read what it created at once (the default scope commits after sending).
+# can read what it created at once (the default scope commits after sending). It still
+# commits only after FastAPI has validated the answer on a second worker thread, holding
+# a connection (on SQLite, the write lock) while it waits for one: routes called at fleet
+# rate (the node agents') take FactoryDep and end their transaction before they return.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[ControllerSettings, Depends(get_settings)]
 NowDep = Annotated[datetime, Depends(get_now)]

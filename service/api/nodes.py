@@ -4,6 +4,11 @@ An agent registers with an enrolment credential (the controller's shared
 token or a per-node one, ``service.enrolment``) and gets a token of its own;
 every later call of the node carries that token, and a node may act only as
 itself. Only the holder of an ALIVE node's token registers under its name.
+
+The agents' routes end their transaction before they return: FastAPI builds the
+answer on another worker thread, and a transaction held until then keeps a
+pooled connection (and on SQLite the write lock) while it waits for a thread
+that may itself be waiting for that connection or lock.
 """
 
 from __future__ import annotations
@@ -32,11 +37,10 @@ from service.api.deps import (
     Offset,
     PageLimit,
     ReadSessionDep,
-    SessionDep,
     SettingsDep,
     UserDep,
 )
-from service.db import retry_on_stale
+from service.db import retry_on_stale, transaction
 from service.models import Role
 from service.schemas import NodePublic, NodesPublic
 
@@ -47,18 +51,18 @@ router = APIRouter(prefix="/nodes", tags=["nodes"])
 def register(
     body: NodeRegister,
     credential: EnrolmentDep,
-    session: SessionDep,
+    factory: FactoryDep,
     settings: SettingsDep,
     now: NowDep,
 ) -> NodeRegistered:
     """401 or 403: the enrolment credential does not admit this name; 409: the name is
     an ALIVE node's and the request does not carry that node's token."""
-    enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
-    node = nodes.register_node(session, body, now)
+    with transaction(factory) as session:
+        enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
+        node = nodes.register_node(session, body, now)
+        node_token = auth.issue_node_token(session, node)
     return NodeRegistered(
-        node_id=node.id,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        node_token=auth.issue_node_token(session, node),
+        node_id=node.id, heartbeat_interval_s=settings.heartbeat_interval_s, node_token=node_token
     )
 
 
@@ -66,12 +70,13 @@ def register(
 def heartbeat(
     node: NodeDep,
     body: Heartbeat,
-    session: SessionDep,
+    factory: FactoryDep,
     settings: SettingsDep,
     keyring: KeyringDep,
     now: NowDep,
 ) -> HeartbeatReply:
-    return nodes.heartbeat(session, node.id, body, settings, now, keyring)
+    with transaction(factory) as session:
+        return nodes.heartbeat(session, node.id, body, settings, now, keyring)
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)
@@ -86,10 +91,11 @@ def report(
 
 
 @router.post("/{node_id}/leave", response_model=NodeLeft)
-def leave(node: NodeDep, body: NodeLeave, session: SessionDep, now: NowDep) -> NodeLeft:
+def leave(node: NodeDep, body: NodeLeave, factory: FactoryDep, now: NowDep) -> NodeLeft:
     """The agent is stopping: the node is LEFT (not LOST) and drops out of its attempts
     now, not at its heartbeat timeout."""
-    return NodeLeft(left=nodes.leave(session, node.id, body.reason, now))
+    with transaction(factory) as session:
+        return NodeLeft(left=nodes.leave(session, node.id, body.reason, now))
 
 
 @router.get("", response_model=NodesPublic)

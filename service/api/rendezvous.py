@@ -7,6 +7,7 @@ rendezvous id the path names (``service.rendezvous.member_attempt``); with the
 ``MEMBER_HEADER``, only the launcher of that membership. Reading
 keys may wait (long poll) up to ``MAX_WAIT_S``; a client that must wait longer
 calls again. The fence routes take a worker token and answer only for its job.
+Every route ends its transaction before it returns (see ``service.api.nodes``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from service.api.deps import (
     FactoryDep,
     IdPath,
     ReadFactoryDep,
-    ReadSessionDep,
     WorkerTokenDep,
 )
 from service.db import retry_on_stale, transaction
@@ -101,9 +101,10 @@ def _write(
 
 
 @router.get("/{rdzv_id}/state", response_model=RendezvousState)
-def get_state(rdzv_id: RdzvId, caller: CallerDep, session: ReadSessionDep) -> RendezvousState:
+def get_state(rdzv_id: RdzvId, caller: CallerDep, factory: ReadFactoryDep) -> RendezvousState:
     """The attempt's rendezvous state and its version; none (version 0) before the first write."""
-    found = rendezvous.get_state(session, caller.attempt(session, rdzv_id))
+    with transaction(factory) as session:
+        found = rendezvous.get_state(session, caller.attempt(session, rdzv_id))
     if found is None:
         return RendezvousState()
     return RendezvousState(state=encode(found[0]), version=found[1])
@@ -192,9 +193,10 @@ def store_delete_key(
 
 
 @router.get("/{rdzv_id}/store/num_keys", response_model=StoreCount)
-def store_num_keys(rdzv_id: RdzvId, caller: CallerDep, session: ReadSessionDep) -> StoreCount:
-    attempt_id = caller.attempt(session, rdzv_id)
-    return StoreCount(value=rendezvous.num_keys(session, attempt_id))
+def store_num_keys(rdzv_id: RdzvId, caller: CallerDep, factory: ReadFactoryDep) -> StoreCount:
+    with transaction(factory) as session:
+        count = rendezvous.num_keys(session, caller.attempt(session, rdzv_id))
+    return StoreCount(value=count)
 
 
 @workers.post("/jobs/{job_id}/snapshot-writer", response_model=SnapshotWriter)
@@ -210,8 +212,10 @@ def take_writer(job_id: IdPath, token: WorkerTokenDep, factory: FactoryDep) -> S
 
 @workers.get("/jobs/{job_id}/snapshot-writer", response_model=SnapshotWriter)
 def current_writer(
-    job_id: IdPath, token: WorkerTokenDep, session: ReadSessionDep
+    job_id: IdPath, token: WorkerTokenDep, factory: ReadFactoryDep
 ) -> SnapshotWriter:
     """The job's newest snapshot-writer token (rank 0, before each commit)."""
-    fence.check_worker(session, token, job_id)
-    return SnapshotWriter(token=fence.current(session, job_id))
+    with transaction(factory) as session:
+        fence.check_worker(session, token, job_id)
+        writer = fence.current(session, job_id)
+    return SnapshotWriter(token=writer)

@@ -1,0 +1,116 @@
+"""The node agents' routes under a burst: more concurrent calls than the server has
+threads, against a pool sized from those threads, on a real server over HTTP.
+
+A route that held its transaction until FastAPI had built the answer kept a pooled
+connection (on SQLite the write lock) while waiting for a worker thread, and the
+threads waited for that connection or lock: the controller answered 500s.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from service import nodes
+from service.api.app import create_app
+from service.db import make_engine, make_session_factory, transaction
+from service.models import Node
+from service.settings import ControllerSettings
+from tests.helpers import FakeClock, wait_for
+from tests.service.helpers import ENROLMENT_TOKEN, bearer, register
+
+NODES = 100
+BEATS = 3
+API_THREADS = 4
+
+
+@pytest.fixture
+def server_url(settings: ControllerSettings, clock: FakeClock) -> Iterator[str]:
+    """The controller served by uvicorn (its lifespan included) with few threads."""
+    few_threads = settings.model_copy(update={"api_threads": API_THREADS})
+    app = create_app(few_threads, clock=clock, run_background=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for("the controller to listen", lambda: server.started, 60)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _register(url: str, number: int) -> tuple[int, str]:
+    body = {"name": f"node-{number:03d}", "address": "127.0.0.1", "slots": 1, "pid": 1}
+    response = httpx.post(
+        f"{url}/api/v1/nodes/register", json=body, headers=bearer(ENROLMENT_TOKEN), timeout=60
+    )
+    response.raise_for_status()
+    return response.json()["node_id"], response.json()["node_token"]
+
+
+def _beat(url: str, node_id: int, token: str, start: threading.Barrier) -> list[int | str]:
+    """``BEATS`` heartbeats, the first sent with every other node's: each one's status,
+    or the name of the transport error that ended it."""
+    answers: list[int | str] = []
+    with httpx.Client(base_url=url, headers=bearer(token), timeout=120) as http:
+        start.wait()
+        for _ in range(BEATS):
+            try:
+                response = http.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
+            except httpx.TransportError as exc:
+                answers.append(type(exc).__name__)
+            else:
+                answers.append(response.status_code)
+    return answers
+
+
+def test_a_burst_of_heartbeats_is_answered_and_recorded(
+    server_url: str, db_url: str, clock: FakeClock
+) -> None:
+    registered = [_register(server_url, n) for n in range(NODES)]
+    clock.advance(5)  # every heartbeat of the burst records this time
+    start = threading.Barrier(NODES)
+    with ThreadPoolExecutor(NODES) as pool:
+        sent = [pool.submit(_beat, server_url, node, token, start) for node, token in registered]
+        answers = [a for beats in sent for a in beats.result(timeout=600)]
+    assert [a for a in answers if a != 200] == []
+    assert len(answers) == NODES * BEATS
+
+    engine = make_engine(db_url)
+    try:
+        with transaction(make_session_factory(engine)) as session:
+            rows = session.execute(select(Node.id, Node.last_heartbeat_at))
+            seen = {node_id: at for node_id, at in rows}
+    finally:
+        engine.dispose()
+    assert {node_id: seen[node_id] for node_id, _ in registered} == {
+        node_id: clock.now for node_id, _ in registered
+    }
+
+
+def test_a_locked_sqlite_database_is_a_503_to_retry(
+    api: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's write lock still taken after the busy timeout: the agent is told to retry,
+    as it does on 503, instead of getting a 500."""
+    node_id = register(api, "busy")
+
+    def locked(*_: object, **__: object) -> None:
+        raise OperationalError(
+            "BEGIN IMMEDIATE", {}, sqlite3.OperationalError("database is locked")
+        )
+
+    monkeypatch.setattr(nodes, "heartbeat", locked)
+    response = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
