@@ -119,10 +119,14 @@ def _sqlite_engine(url: str, connections: int) -> Engine:
     """An engine on the SQLite file ``url`` names (made if missing), with its pragmas;
     the caller says how its transactions begin."""
     make_sqlite_parent(url)
+    parsed = make_url(url)
+    # An in-memory database lives in one connection (SQLAlchemy's SingletonThreadPool),
+    # which takes no pool size; this is SQLAlchemy's own test for one.
+    in_memory = parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-        **_pool_size(connections),
+        **({} if in_memory else _pool_size(connections)),
     )
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine

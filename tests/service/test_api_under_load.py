@@ -114,3 +114,13 @@ def test_a_locked_sqlite_database_is_a_503_to_retry(
     response = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_sqlite_database_takes_no_pool_size(url: str) -> None:
+    """It lives in one connection, which SQLAlchemy refuses pool sizes for; the engine is
+    still made, and works."""
+    engine = make_engine(url, connections=44)
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("select 1").scalar() == 1
+    engine.dispose()
