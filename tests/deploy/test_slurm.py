@@ -27,6 +27,8 @@ from tests.helpers import wait_for
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "relaunch-agents.sbatch"
 NODES = ("n1", "n2")
+SUBMITTERS_SECRET = "SUBMITTERS_CLOUD_KEY"
+KEPT = "NCCL_SOCKET_IFNAME"
 pytestmark = pytest.mark.e2e
 
 
@@ -66,6 +68,11 @@ def submit_agents(slurm: LocalSlurm, cluster: LocalCluster, tmp_path: Path) -> i
         "RELAUNCH_AGENT_ADDRESS": "127.0.0.1",  # every node is this host
         "RELAUNCH_COMMAND": f"{sys.executable} -m service.cli",
         "RELAUNCH_SLURM_WORK_ROOT": str(cluster.nodes_dir / "agents"),
+        # The submitter's shell: a secret of its own must not reach any job; a name the
+        # submitter asks to keep does.
+        SUBMITTERS_SECRET: "s3cr3t-of-the-submitter",
+        "RELAUNCH_SLURM_KEEP_ENV": KEPT,
+        KEPT: "lo",
     }
     output = tmp_path / "agents-%j.out"
     return slurm.sbatch(SCRIPT, f"--nodes={len(NODES)}", f"--output={output}", env=env)
@@ -113,8 +120,11 @@ def test_agents_on_an_allocation_run_a_job_and_leave_when_it_is_cancelled(
     wait_world_size(client, job_id, 2)
     workers = cluster.job_workers(job_id)
     assert len(workers) == 2, workers
-    for worker in workers:  # their ranks are relaunch's, not Slurm's
-        assert not [k for k in worker.environ() if k.startswith("SLURM")], worker
+    for worker in workers:
+        environ = worker.environ()
+        assert not [k for k in environ if k.startswith("SLURM")], worker  # relaunch's ranks
+        assert SUBMITTERS_SECRET not in environ, worker  # the agent started from an allow-list
+        assert environ.get(KEPT) == "lo", worker  # ... that RELAUNCH_SLURM_KEEP_ENV extends
     assert_trained(client, wait_terminal(client, job_id))
     wait_no_processes(cluster, job_id)
 
@@ -127,11 +137,12 @@ def test_agents_on_an_allocation_run_a_job_and_leave_when_it_is_cancelled(
     assert "agent stopped" in out
 
 
-def test_the_warning_before_the_time_limit_makes_running_agents_leave(
+def test_sigterm_to_the_agents_step_while_a_job_runs_makes_them_leave(
     slurm: LocalSlurm, cluster: LocalCluster, client: RelaunchClient, tmp_path: Path
 ) -> None:
-    """--signal=TERM@120 sends SIGTERM to the agents' step, as scancel --signal=TERM does:
-    they stop their part of a running job and leave, and the allocation ends cleanly."""
+    """SIGTERM to the agents' step while a job runs (what --signal=TERM@120 sends before the
+    time limit; sent here with scancel --signal=TERM, since a test cannot wait out a time
+    limit): they stop their part of the job and leave, and the allocation ends cleanly."""
     job = submit_agents(slurm, cluster, tmp_path)
     wait_for(
         "an agent per Slurm node", lambda: node_states(client) == dict.fromkeys(NODES, "ALIVE")

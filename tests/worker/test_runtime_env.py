@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 
 from worker.runtime.config import TrainerConfig
-from worker.runtime.env import DistEnv, Launcher, init_distributed, shutdown_distributed
+from worker.runtime.env import (
+    DistEnv,
+    Launcher,
+    device_for,
+    init_distributed,
+    shutdown_distributed,
+)
 
 TORCHRUN_ENV = {
     "RANK": "3",
@@ -186,7 +192,7 @@ def test_reads_srun_variables_without_torchrun_ones() -> None:
     assert env.launcher is Launcher.SLURM and env.launched
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (1, 1, 2, 2)
     assert (env.group_rank, env.restart_count) == (0, 0)
-    assert (env.master_addr, env.master_port) == ("localhost", 20000 + 4242)
+    assert (env.master_addr, env.master_port) == ("localhost", 10000 + 4242)
 
 
 def test_torchrun_variables_win_over_inherited_slurm_ones() -> None:
@@ -210,3 +216,17 @@ def test_bad_srun_variables_are_named() -> None:
 def test_a_slurm_env_needs_its_master() -> None:
     with pytest.raises(ValueError, match="master"):
         DistEnv(launcher=Launcher.SLURM)
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "visible", "index"), [(0, 4, 0), (3, 4, 3), (1, 1, 0), (5, 2, 1)]
+)
+def test_the_gpu_is_the_local_rank_among_those_the_process_sees(
+    monkeypatch: pytest.MonkeyPatch, local_rank: int, visible: int, index: int
+) -> None:
+    """srun --gpus-per-task=1 shows each task only its own GPU, as cuda:0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    rank = {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0"}
+    env = DistEnv.from_environ({**TORCHRUN_ENV, **rank, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"})
+    assert device_for(env) == torch.device("cuda", index)

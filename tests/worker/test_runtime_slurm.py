@@ -69,9 +69,9 @@ def test_bad_tasks_per_node_are_refused(value: str, node: int) -> None:
 
 
 def test_the_port_is_derived_from_the_job_id_alike_everywhere() -> None:
-    assert port_for_job(123456) == 20000 + 123456 % 20000 == 23456
+    assert port_for_job(123456) == 10000 + 123456 % 20000 == 13456
     assert (
-        port_for_job(0) == 20000 and port_for_job(19999) == 39999 and port_for_job(20000) == 20000
+        port_for_job(0) == 10000 and port_for_job(19999) == 29999 and port_for_job(20000) == 10000
     )
 
 
@@ -84,7 +84,7 @@ def test_a_task_reads_its_place_and_the_first_node_as_master() -> None:
         local_world_size=2,
         node_rank=1,
         master_addr="gpu07",
-        master_port=23456,
+        master_port=13456,
     )
 
 
@@ -145,7 +145,12 @@ def test_bad_or_missing_variables_are_named(override: dict[str, str], match: str
 
 @pytest.mark.parametrize(
     "env",
-    [{}, {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": " "}],
+    [
+        {},
+        {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2"},
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": " "},
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "5"},  # srun -n1: alone
+    ],
 )
 def test_without_srun_task_variables_it_is_no_srun_task(env: dict[str, str]) -> None:
     assert not is_srun_task(env)

@@ -138,7 +138,7 @@ def job_id_with_a_free_port() -> int:
             except OSError:
                 continue
             return job_id
-    raise AssertionError("no free port among 50 tried in 20000-39999")
+    raise AssertionError("no free port among 50 tried in 10000-29999")
 
 
 def test_two_srun_tasks_train_as_torchruns_did(tmp_path: Path, torchrun_run: Run) -> None:

@@ -173,9 +173,14 @@ class DistEnv:
 
 
 def device_for(env: DistEnv) -> torch.device:
-    """``cuda:<local_rank>`` when CUDA is available, else the CPU."""
+    """``cuda:<local_rank modulo the visible GPUs>`` when CUDA is available, else the CPU.
+
+    A launcher that binds GPUs to tasks (``srun --gpus-per-task=1``, ``--gpu-bind``, a
+    per-task ``CUDA_VISIBLE_DEVICES``) shows each process fewer GPUs than its node's
+    tasks, often just its own as ``cuda:0``; the local rank alone would name one it
+    cannot see."""
     if torch.cuda.is_available():
-        return torch.device("cuda", env.local_rank)
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -12,14 +12,17 @@ Nothing tells the tasks where to meet, so they agree on it without talking:
   task 0 there. ``scontrol show hostnames`` expands the list where it is
   installed; elsewhere ``first_host`` reads the compact form
   (``node[01-03,07],gpu5`` -> ``node01``);
-- the port is ``MASTER_PORT`` when set, else ``20000 + SLURM_JOB_ID % 20000``
-  (``port_for_job``): the same on every node; jobs whose ids differ by less than
-  20000 get different ports, but two steps of one job that run at once on the same
-  first node need their own ``MASTER_PORT``.
+- the port is ``MASTER_PORT`` when set, else ``10000 + SLURM_JOB_ID % 20000``
+  (``port_for_job``): the same on every node, and below Linux's ephemeral range
+  (32768 and up), where a port the kernel handed out would clash; jobs whose ids
+  differ by less than 20000 get different ports, but two steps of one job that run
+  at once on the same first node need their own ``MASTER_PORT``.
 
 A process started straight from a batch script (not through ``srun``) also sees
 ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS``; with more than one task it
-waits for peers that never come. Start the tasks with ``srun``.
+waits for peers that never come. Start the tasks with ``srun``. A step of one task
+(``SLURM_NTASKS=1``: ``srun -n1``, a one-task batch script) is no Slurm world: it
+runs alone, on a private loopback store, like a process nobody launched.
 
 Pure functions but ``master_host``, which may run ``scontrol``; no torch.
 """
@@ -46,7 +49,7 @@ TASKS_PER_NODE_ENVS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 NTASKS_PER_NODE_ENV = "SLURM_NTASKS_PER_NODE"
 NODELIST_ENVS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
 
-PORT_BASE = 20000
+PORT_BASE = 10000
 PORT_SPAN = 20000
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -67,8 +70,15 @@ class SlurmTask:
 
 
 def is_srun_task(environ: Mapping[str, str]) -> bool:
-    """Whether srun's per-task variables are set (``SLURM_PROCID`` and ``SLURM_NTASKS``)."""
-    return all((environ.get(name) or "").strip() for name in (PROCID_ENV, NTASKS_ENV))
+    """Whether srun's per-task variables are set (``SLURM_PROCID`` and ``SLURM_NTASKS``)
+    for a step of more than one task. A malformed ``SLURM_NTASKS`` counts, so that
+    ``slurm_task`` names it."""
+    if not all((environ.get(name) or "").strip() for name in (PROCID_ENV, NTASKS_ENV)):
+        return False
+    try:
+        return int(environ[NTASKS_ENV]) != 1
+    except ValueError:
+        return True
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -178,7 +188,7 @@ def tasks_on_node(tasks_per_node: str, node_rank: int) -> int:
 
 
 def port_for_job(job_id: int) -> int:
-    """``20000 + job_id % 20000``: the port every task of the job derives alike."""
+    """``10000 + job_id % 20000``: the port every task of the job derives alike."""
     return PORT_BASE + job_id % PORT_SPAN
 
 
