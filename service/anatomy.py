@@ -106,11 +106,11 @@ class Recovery:
 
     @property
     def total_s(self) -> float | None:
-        """From the first moment known to the first step (None before the first step)."""
+        """From the first moment known to the first step, the sum of the phases (None
+        before the first step); a phase of the clock's resolution counts as its 0.0."""
         if not self.complete:
             return None
-        start = next(iter(self.moments.values()))[0]
-        return (self.moments["first_step"][0] - start).total_seconds()
+        return sum(p.seconds for p in self.phases if p.seconds is not None)
 
 
 def phases(moments: dict[str, tuple[datetime, str]]) -> tuple[Phase, ...]:

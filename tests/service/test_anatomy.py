@@ -178,6 +178,14 @@ def test_a_phase_negative_within_the_clock_resolution_is_zero_and_beyond_it_is_k
         return phase_seconds(recovery)["process_start"]
 
     assert process_start(10.995) == 0.0
+    events = [
+        *FIRST_START,
+        event("worker_failed", 10.0),
+        event("rendezvous", 11.0),
+        event("first_step", 14.0, **startup(process_started=10.995, first_step=13.0)),
+    ]
+    [recovery] = recoveries(events)
+    assert recovery.total_s == sum(p.seconds or 0.0 for p in recovery.phases)
     assert process_start(10.99) == 0.0
     assert process_start(10.98) == -0.02
     assert process_start(11.5) == 0.5
