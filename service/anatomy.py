@@ -21,6 +21,14 @@ and a node's event the controller stamped no earlier than a membership change
 (``reports._Applied.timeline_time``) moved too. The phases of one process are on
 one clock.
 
+What a recovery is not: the job's first start, with a node that joins before the
+first rendezvous (``node_joined`` with cause ``placed``), and a fatal failure, or a
+cancel, after which nothing restarts. The worker's moments come from the job's own
+code: one outside [the cause - ``MAX_MOMENT_BEFORE``, its event + ``MAX_MOMENT_AFTER``]
+is taken as not reported. A phase negative by no more than ``CLOCK_RESOLUTION_S``
+(a process's start is known to a clock tick) is 0.0; a larger negative one is shown
+as it is.
+
 Pure: ``recoveries`` reads a job's timeline events, oldest first.
 """
 
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,6 +47,8 @@ from contract.events import WorkerStartup
 NODE_CAUSES = frozenset({"worker_failed", "hang_detected", "node_missing"})
 CONTROLLER_CAUSES = frozenset({"node_left", "node_joined"})
 CAUSES = NODE_CAUSES | CONTROLLER_CAUSES
+# Timeline kinds after which an open recovery never completes.
+ENDS = frozenset({"cancelled"})
 # Timeline kinds whose payload holds a worker's ``startup``, the most complete first.
 STARTUP_KINDS = ("first_step", "resumed", "training_started")
 
@@ -52,6 +62,13 @@ PHASES = (
     ("snapshot_load", "snapshot_loaded"),
     ("first_step", "first_step"),
 )
+# How far a phase may come out negative from the resolution of the clocks alone: the
+# kernel records a process's start to a clock tick (``worker.runtime.process_clock``).
+CLOCK_RESOLUTION_S = 0.01
+# A worker-reported moment is believed from this long before the recovery's cause to
+# this long after the controller got the event that carries it.
+MAX_MOMENT_BEFORE = timedelta(hours=1)
+MAX_MOMENT_AFTER = timedelta(seconds=60)
 CONTROLLER = "controller"
 OBSERVER = "observer"  # whoever caused the fault
 
@@ -89,11 +106,11 @@ class Recovery:
 
     @property
     def total_s(self) -> float | None:
-        """From the first moment known to the first step (None before the first step)."""
+        """From the first moment known to the first step, the sum of the phases (None
+        before the first step); a phase of the clock's resolution counts as its 0.0."""
         if not self.complete:
             return None
-        start = next(iter(self.moments.values()))[0]
-        return (self.moments["first_step"][0] - start).total_seconds()
+        return sum(p.seconds for p in self.phases if p.seconds is not None)
 
 
 def phases(moments: dict[str, tuple[datetime, str]]) -> tuple[Phase, ...]:
@@ -114,6 +131,8 @@ def phases(moments: dict[str, tuple[datetime, str]]) -> tuple[Phase, ...]:
         else:
             since, then, then_clock = previous
             seconds = (at - then).total_seconds()
+            if -CLOCK_RESOLUTION_S <= seconds < 0:
+                seconds = 0.0
             out.append(Phase(name, since, seconds, clock == then_clock))
         previous = (moment, at, clock)
     return tuple(out)
@@ -142,7 +161,10 @@ def recoveries(events: Iterable[TimelineEvent]) -> list[Recovery]:
     found: list[_Open] = []
     for event in sorted(events, key=lambda e: _utc(e.time)):
         current = found[-1] if found else None
-        if event.kind in CAUSES:
+        if event.kind in ENDS:
+            if current is not None and not current.complete:
+                found.pop()
+        elif _is_cause(event):
             if current is None or current.rendezvous is not None:
                 clock = CONTROLLER if event.kind in CONTROLLER_CAUSES else _node(event)
                 found.append(_Open(event.kind, (_utc(event.time), clock)))
@@ -154,23 +176,41 @@ def recoveries(events: Iterable[TimelineEvent]) -> list[Recovery]:
     return [recovery.closed() for recovery in found]
 
 
+def _is_cause(event: TimelineEvent) -> bool:
+    if event.kind not in CAUSES:
+        return False
+    if event.kind in CONTROLLER_CAUSES and event.data.get("cause") == "placed":
+        return False  # a node of the first world, before its first rendezvous
+    return not (event.kind == "worker_failed" and event.data.get("fatal") is True)
+
+
 @dataclass
 class _Open:
     cause: str
     failed: tuple[datetime, str]
     rendezvous: tuple[datetime, str] | None = None
     startup: dict[str, tuple[datetime, str]] = field(default_factory=dict)
-    startup_rank: int = len(STARTUP_KINDS)  # how complete the startup taken is (lower: more)
+    # how complete the startup taken is (lower: more): its kind's rank, less its moments
+    startup_rank: tuple[int, int] = (len(STARTUP_KINDS), 0)
+
+    @property
+    def complete(self) -> bool:
+        return "first_step" in self.startup
 
     def offer(self, event: TimelineEvent) -> None:
-        rank = STARTUP_KINDS.index(event.kind)
-        if rank >= self.startup_rank:
-            return
         try:
             startup = WorkerStartup.model_validate(event.data.get("startup"))
         except ValidationError:
             return  # an event from a worker that reported no moments
-        self.startup, self.startup_rank = startup_moments(startup, _node(event)), rank
+        earliest, latest = self.failed[0] - MAX_MOMENT_BEFORE, _utc(event.time) + MAX_MOMENT_AFTER
+        moments = {
+            name: moment
+            for name, moment in startup_moments(startup, _node(event)).items()
+            if earliest <= moment[0] <= latest
+        }
+        rank = (STARTUP_KINDS.index(event.kind), -len(moments))
+        if rank < self.startup_rank:
+            self.startup, self.startup_rank = moments, rank
 
     def closed(self) -> Recovery:
         moments = {"failed": self.failed}

@@ -54,3 +54,18 @@ def last_membership_change(session: Session, attempt_id: int) -> datetime | None
             JobEvent.attempt_id == attempt_id, JobEvent.kind.in_(MEMBERSHIP_CHANGES)
         )
     )
+
+
+def last_round_event(session: Session, attempt_id: int, node_id: int) -> JobEvent | None:
+    """The attempt's last ``rendezvous`` or ``first_step`` event from ``node_id``: whether
+    the node's current rendezvous round already has its first step on the timeline."""
+    return session.scalars(
+        select(JobEvent)
+        .where(
+            JobEvent.attempt_id == attempt_id,
+            JobEvent.node_id == node_id,
+            JobEvent.kind.in_(("rendezvous", "first_step")),
+        )
+        .order_by(JobEvent.id.desc())
+        .limit(1)
+    ).first()

@@ -262,16 +262,24 @@ def job_events(
     return _page_after(session, JobEvent, job_id, viewer, after_id, limit)
 
 
+# The most timeline events ``job_recoveries`` reads: a job's code decides how often its
+# workers fail, so its timeline may grow without bound.
+MAX_RECOVERY_EVENTS = 500
+
+
 def job_recoveries(session: Session, job_id: int, viewer: User) -> list[anatomy.Recovery]:
-    """The job's restarts and re-forms with their phases, oldest first (see ``anatomy``)."""
+    """The job's restarts and re-forms with their phases, oldest first (see ``anatomy``):
+    those among its last ``MAX_RECOVERY_EVENTS`` recovery events (causes, rendezvous,
+    worker starts, a cancel); older recoveries are not shown."""
     job_for(session, job_id, viewer)
-    kinds = (*anatomy.CAUSES, "rendezvous", *anatomy.STARTUP_KINDS)
+    kinds = (*anatomy.CAUSES, *anatomy.ENDS, "rendezvous", *anatomy.STARTUP_KINDS)
     rows = session.scalars(
         select(JobEvent)
         .where(JobEvent.job_id == job_id, JobEvent.kind.in_(kinds))
-        .order_by(JobEvent.id)
+        .order_by(JobEvent.id.desc())
+        .limit(MAX_RECOVERY_EVENTS)
     )
-    return anatomy.recoveries(anatomy.from_rows(list(rows)))
+    return anatomy.recoveries(anatomy.from_rows(list(rows)[::-1]))
 
 
 def job_metrics(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -34,7 +34,7 @@ from contract.events import (
 from contract.protocol import AttemptExit, AttemptReport, StopReason
 from service.attempts import active_members, drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
-from service.job_events import add_event, last_membership_change
+from service.job_events import add_event, last_membership_change, last_round_event
 from service.jobs import change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
 from service.nodes import get_node
@@ -63,8 +63,10 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
     job = get_job(session, attempt.job_id, for_update=True)
     _store_logs(session, job, attempt, node, report)
     changed = last_membership_change(session, attempt.id) if report.events else None
+    round_ = _Round()
     for event in report.events:
-        _apply_event(event.data, _Applied(session, job, attempt, node, event.time, now, changed))
+        applied = _Applied(session, job, attempt, node, event.time, now, changed, round_)
+        _apply_event(event.data, applied)
     if report.exit is not None:
         _apply_exit(session, job, member, report.exit, now)
     return True
@@ -88,6 +90,34 @@ def _store_logs(
     )
 
 
+@dataclass
+class _Round:
+    """How much of a worker start the node's current rendezvous round has on the timeline
+    as ``first_step``: ``NONE``, ``PARTIAL`` (moments without the first step) or
+    ``COMPLETE``; None until looked up, once per report.
+
+    The job's own code decides which progress reports carry ``startup``, so at most one
+    partial and one complete ``first_step`` go on the timeline per round and node.
+    """
+
+    NONE = 0
+    PARTIAL = 1
+    COMPLETE = 2
+
+    written: int | None = None
+
+    def due(self, session: Session, attempt_id: int, node_id: int, complete: bool) -> bool:
+        """Whether a ``first_step`` (``complete``: with the first step's moment) is new."""
+        if self.written is None:
+            last = last_round_event(session, attempt_id, node_id)
+            if last is None or last.kind != "first_step":
+                self.written = self.NONE
+            else:
+                moments = (last.data or {}).get("startup") or {}
+                self.written = self.COMPLETE if moments.get("first_step_at") else self.PARTIAL
+        return self.written == self.NONE or (complete and self.written == self.PARTIAL)
+
+
 @dataclass(frozen=True)
 class _Applied:
     """Where an event is applied: the node's report on a running attempt of ``job``."""
@@ -99,6 +129,7 @@ class _Applied:
     time: datetime  # when the node saw it
     now: datetime  # when the controller applies it
     members_changed: datetime | None = None  # the attempt's last membership change
+    round_state: _Round = field(default_factory=_Round)  # the node's current rendezvous round
 
     @property
     def timeline_time(self) -> datetime:
@@ -156,6 +187,7 @@ def _rendezvous(data: RendezvousComplete, at: _Applied) -> None:
     before = at.attempt.world_size
     at.attempt.world_size = at.job.world_size = world
     if data.group_rank == 0:
+        at.round_state.written = _Round.NONE
         members = len(active_members(at.session, at.attempt.id))
         nodes = data.group_world_size
         if world and before and world < before and nodes is not None and nodes < members:
@@ -283,7 +315,12 @@ def _progress(data: TrainingProgress, at: _Applied) -> None:
     )
     at.job.last_step = data.step
     at.job.last_loss = data.loss
-    if data.startup is not None:  # the first report of a worker process
+    complete = data.startup is not None and data.startup.first_step_at is not None
+    # the first report of a worker process; see ``_Round`` for why not every one
+    if data.startup is not None and at.round_state.due(
+        at.session, at.attempt.id, at.node.id, complete
+    ):
+        at.round_state.written = _Round.COMPLETE if complete else _Round.PARTIAL
         at.add_event(
             "first_step",
             f"rank 0's new worker process reports its first steps (step {data.step}, "

@@ -86,7 +86,9 @@ class Reporter:
             metrics=dict(metrics or {}),
             startup=None if self._startup_sent else startup.startup(),
         )
-        self._startup_sent = True
+        # sent until it holds the first step: a script may report before its first step
+        if progress.startup is not None and progress.startup.first_step_at is not None:
+            self._startup_sent = True
         self.writer.emit(progress)
 
 

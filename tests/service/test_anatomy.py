@@ -146,6 +146,81 @@ def test_a_job_that_never_failed_has_no_recovery_and_a_start_without_moments_non
     assert set(recovery.moments) == {"failed", "rendezvous"}
 
 
+def test_a_node_placed_before_the_first_rendezvous_opens_no_recovery() -> None:
+    events = [event("node_joined", -1.0, node=2, cause="placed"), *FIRST_START]
+    assert recoveries(events) == []
+
+
+def test_a_fatal_failure_and_a_cancel_leave_no_recovery_waiting_forever() -> None:
+    fatal = event("worker_failed", 10.0, fatal=True, cause="fatal_exit_code")
+    assert recoveries([*FIRST_START, fatal]) == []
+    failed = event("worker_failed", 10.0)
+    assert recoveries([*FIRST_START, failed, event("cancelled", 11.0, node=None)]) == []
+    # a recovery that came back stays
+    back = [
+        failed,
+        event("rendezvous", 11.0),
+        event("first_step", 14.0, **startup(process_started=12.0, first_step=13.0)),
+    ]
+    [recovery] = recoveries([*FIRST_START, *back, event("cancelled", 20.0, node=None)])
+    assert recovery.complete
+
+
+def test_a_phase_negative_within_the_clock_resolution_is_zero_and_beyond_it_is_kept() -> None:
+    def process_start(started: float) -> float | None:
+        events = [
+            *FIRST_START,
+            event("worker_failed", 10.0),
+            event("rendezvous", 11.0),
+            event("first_step", 14.0, **startup(process_started=started, first_step=13.0)),
+        ]
+        [recovery] = recoveries(events)
+        return phase_seconds(recovery)["process_start"]
+
+    assert process_start(10.995) == 0.0
+    events = [
+        *FIRST_START,
+        event("worker_failed", 10.0),
+        event("rendezvous", 11.0),
+        event("first_step", 14.0, **startup(process_started=10.995, first_step=13.0)),
+    ]
+    [recovery] = recoveries(events)
+    assert recovery.total_s == sum(p.seconds or 0.0 for p in recovery.phases)
+    assert process_start(10.99) == 0.0
+    assert process_start(10.98) == -0.02
+    assert process_start(11.5) == 0.5
+
+
+def test_a_worker_moment_out_of_bounds_is_taken_as_not_reported() -> None:
+    def moments(**reported: float) -> set[str]:
+        events = [
+            *FIRST_START,
+            event("worker_failed", 4000.0),
+            event("rendezvous", 4001.0),
+            event("first_step", 4010.0, **startup(**reported)),
+        ]
+        [recovery] = recoveries(events)
+        return set(recovery.moments)
+
+    # an hour before the failure, and sixty seconds after the event, are the bounds
+    within = moments(process_started=400.0, imported=4070.0, first_step=4005.0)
+    assert within == {"failed", "rendezvous", "process_started", "imported", "first_step"}
+    beyond = moments(process_started=399.0, imported=4070.5, first_step=4005.0)
+    assert beyond == {"failed", "rendezvous", "first_step"}
+
+
+def test_a_later_start_with_more_moments_replaces_a_partial_one_of_the_same_kind() -> None:
+    events = [
+        *FIRST_START,
+        event("worker_failed", 10.0),
+        event("rendezvous", 11.0),
+        event("first_step", 14.0, **startup(process_started=12.0)),
+        event("first_step", 15.0, **startup(process_started=12.0, first_step=14.5)),
+    ]
+    [recovery] = recoveries(events)
+    assert recovery.complete and recovery.total_s == 4.5
+
+
 def report(attempt_id: int, *events: tuple[str, float, dict[str, Any]]) -> Any:
     return {
         "attempt_id": attempt_id,
@@ -200,3 +275,42 @@ def test_the_recoveries_route_joins_the_reported_events(
     assert all(p["same_clock"] for p in recovery["phases"][1:])
     assert recovery["total_s"] == 4.5
     assert api.get("/api/v1/jobs/999/recoveries").status_code == 404
+
+
+def test_a_process_start_goes_on_the_timeline_once_per_round_however_often_it_is_reported(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    r = api.post(
+        "/api/v1/nodes/register", json={"name": "a", "address": "127.0.0.1", "slots": 1, "pid": 1}
+    )
+    node_id: int = r.json()["node_id"]
+    spec = {"name": "j", "task": {"name": "regression", "params": {"epochs": 2}}}
+    job_id: int = api.post("/api/v1/jobs", json=spec).json()["id"]
+    reconciler.run_once()
+    [assignment] = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []}).json()[
+        "assignments"
+    ]
+    attempt_id = assignment["attempt_id"]
+    rendezvous = {"world_size": 1, "group_rank": 0, "group_world_size": 1}
+    partial = startup(process_started=0.5, imported=1.0)
+    complete = startup(process_started=0.5, imported=1.0, first_step=2.0)
+
+    def progress(step: int, moments: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+        return ("progress", 2.0 + step / 1000, {"step": step, "world_size": 1, **moments})
+
+    def first_steps() -> list[dict[str, Any]]:
+        items = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+        return [e for e in items if e["kind"] == "first_step"]
+
+    many = [progress(i, partial) for i in range(300)] + [progress(i, complete) for i in range(300)]
+    body = report(attempt_id, ("rendezvous", 0.0, rendezvous), *many)
+    assert api.post(f"/api/v1/nodes/{node_id}/reports", json=body).status_code == 200
+    # one without the first step's moment, then one with it; the rest are dropped
+    assert len(first_steps()) == 2
+    again = report(attempt_id, *[progress(300 + i, complete) for i in range(300)])
+    assert api.post(f"/api/v1/nodes/{node_id}/reports", json=again).status_code == 200
+    assert len(first_steps()) == 2
+    # a new round takes a new start
+    body = report(attempt_id, ("rendezvous", 3.0, rendezvous), progress(900, complete))
+    assert api.post(f"/api/v1/nodes/{node_id}/reports", json=body).status_code == 200
+    assert len(first_steps()) == 3

@@ -55,6 +55,22 @@ def test_the_first_report_of_a_process_carries_its_start_and_the_next_ones_do_no
     assert second.startup is None  # type: ignore[union-attr]
 
 
+def test_a_step_reported_before_the_first_optimizer_step_leaves_the_start_for_the_next(
+    events_file: Path,
+) -> None:
+    report.step(0)
+    startup.mark(startup.Moment.FIRST_STEP)
+    report.step(1)
+    report.step(2)
+    lines = events_file.read_text().splitlines()
+    early, first, second = (parse_event(line).data for line in lines)
+    assert early.startup is not None  # type: ignore[union-attr]
+    assert early.startup.first_step_at is None  # type: ignore[union-attr]
+    assert first.startup is not None  # type: ignore[union-attr]
+    assert first.startup.first_step_at is not None  # type: ignore[union-attr]
+    assert second.startup is None  # type: ignore[union-attr]
+
+
 def test_resumed_names_the_step_of_the_snapshot(events_file: Path) -> None:
     report.resumed(40, total_steps=100)
     [line] = events_file.read_text().splitlines()

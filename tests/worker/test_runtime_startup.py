@@ -4,6 +4,8 @@ each kept once, the first read from the kernel."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +41,25 @@ def test_the_process_start_is_the_kernels_record_of_this_process() -> None:
     assert abs(started - psutil.Process().create_time()) < 1.5
     assert started <= time.time()
     assert startup.startup().process_started_at is not None
+
+
+def test_a_new_process_starts_no_earlier_than_half_a_tick_before_its_fork() -> None:
+    half_tick = 0.5 / os.sysconf("SC_CLK_TCK")
+    before = time.time()
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from worker.runtime.process_clock import process_started_at as s; print(repr(s()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    after = time.time()
+    started = float(child.stdout)
+    # The kernel rounds the start down to a tick; the middle of it is half a tick off at most.
+    assert before - half_tick <= started <= after + half_tick
 
 
 def test_a_command_name_with_spaces_and_parentheses_is_read_past(tmp_path: Path) -> None:

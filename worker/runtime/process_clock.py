@@ -16,7 +16,8 @@ def process_started_at(proc: Path = Path("/proc/self")) -> float | None:
     The kernel counts a process's start in clock ticks since boot; the age of the
     process is the time since boot now (``CLOCK_BOOTTIME``, the same clock) less
     that, so the result is as fine as a clock tick (10 ms) and needs no boot time
-    (which ``/proc/stat`` gives in whole seconds only).
+    (which ``/proc/stat`` gives in whole seconds only). The kernel rounds the start
+    down to a tick; the middle of that tick is returned, half a tick off at most.
     """
     try:
         stat = (proc / "stat").read_text()
@@ -26,4 +27,5 @@ def process_started_at(proc: Path = Path("/proc/self")) -> float | None:
         since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return time.time() - (since_boot - started_ticks / ticks_per_s)
+    started = (started_ticks + 0.5) / ticks_per_s
+    return time.time() - (since_boot - started)
