@@ -123,7 +123,7 @@ def world(api: Cluster) -> World:
 def test_the_walk_covers_every_route(api: Cluster) -> None:
     known = PUBLIC | ADMIN_ONLY | NODE_ROUTES | RENDEZVOUS_ROUTES | WORKER_ROUTES | {REGISTER}
     user_routes = [r for r in routes(api.app) if r not in known]
-    assert len(user_routes) == 10, user_routes  # a new route must be walked too
+    assert len(user_routes) == 11, user_routes  # a new route must be walked too
     assert {r for r in known if r in routes(api.app)} == known
 
 
@@ -164,7 +164,7 @@ def test_a_node_token_is_refused_every_user_route(world: World) -> None:
 
 def test_another_users_job_answers_404_on_every_job_route(world: World) -> None:
     job_routes = [r for r in routes(world.api.app) if JOB_ROUTES.match(r[1])]
-    assert len(job_routes) == 6
+    assert len(job_routes) == 7
     for method, path in job_routes:
         theirs = world.call(method, path, world.alice, job_id=world.bob_job)
         missing = world.call(method, path, world.alice, job_id=10**9)
