@@ -50,7 +50,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: install postgres browser slurm lint
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: no lint, no e2e or deploy tests (real processes, PostgreSQL, Chromium, Slurm),
 # and the database tests on SQLite only; pytest's summary says how many it deselected.
