@@ -13,7 +13,7 @@ from service.anatomy import (
     with_fault,
 )
 from service.reconciler import Reconciler
-from tests.service.helpers import Cluster
+from tests.service.helpers import Cluster, heartbeat, register, submit
 
 T0 = datetime(2026, 11, 22, tzinfo=UTC)
 
@@ -228,19 +228,19 @@ def report(attempt_id: int, *events: tuple[str, float, dict[str, Any]]) -> Any:
     }
 
 
+def placed(api: Cluster, reconciler: Reconciler) -> tuple[int, int, dict[str, Any]]:
+    """A one-node job placed on node "a": the node's id, the job's and its assignment."""
+    node_id = register(api, "a")
+    job_id = submit(api, nnodes="1")
+    reconciler.run_once()
+    [assignment] = heartbeat(api, node_id)
+    return node_id, job_id, assignment
+
+
 def test_the_recoveries_route_joins_the_reported_events(
     api: Cluster, reconciler: Reconciler
 ) -> None:
-    r = api.post(
-        "/api/v1/nodes/register", json={"name": "a", "address": "127.0.0.1", "slots": 1, "pid": 1}
-    )
-    node_id: int = r.json()["node_id"]
-    spec = {"name": "j", "task": {"name": "regression", "params": {"epochs": 2}}}
-    job_id: int = api.post("/api/v1/jobs", json=spec).json()["id"]
-    reconciler.run_once()
-    [assignment] = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []}).json()[
-        "assignments"
-    ]
+    node_id, job_id, assignment = placed(api, reconciler)
     rendezvous = {"world_size": 1, "group_rank": 0, "group_world_size": 1}
     first = startup(process_started=0.5, imported=1.0, process_group=1.5, first_step=2.0)
     again = {"process_started": 12.0, "imported": 13.0, "process_group": 13.5}
@@ -280,16 +280,7 @@ def test_the_recoveries_route_joins_the_reported_events(
 def test_a_process_start_goes_on_the_timeline_once_per_round_however_often_it_is_reported(
     api: Cluster, reconciler: Reconciler
 ) -> None:
-    r = api.post(
-        "/api/v1/nodes/register", json={"name": "a", "address": "127.0.0.1", "slots": 1, "pid": 1}
-    )
-    node_id: int = r.json()["node_id"]
-    spec = {"name": "j", "task": {"name": "regression", "params": {"epochs": 2}}}
-    job_id: int = api.post("/api/v1/jobs", json=spec).json()["id"]
-    reconciler.run_once()
-    [assignment] = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []}).json()[
-        "assignments"
-    ]
+    node_id, job_id, assignment = placed(api, reconciler)
     attempt_id = assignment["attempt_id"]
     rendezvous = {"world_size": 1, "group_rank": 0, "group_world_size": 1}
     partial = startup(process_started=0.5, imported=1.0)
