@@ -39,7 +39,8 @@ Text = Annotated[PrintedText, Field(max_length=MAX_LINE_BYTES)]
 class EventKind(StrEnum):
     """What a runtime event reports.
 
-    From the launcher (any node): RENDEZVOUS, WORKER_FAILED, HANG, LAUNCHER_EXIT.
+    From the launcher (any node): RENDEZVOUS, WORKER_FAILED, HANG, LAUNCHER_EXIT,
+    ZYGOTE, COLD_START.
     From the training runtime (rank 0 only): STARTED, PROGRESS, SNAPSHOT,
     SNAPSHOT_FAILED, SNAPSHOT_SKIPPED, FINISHED.
     """
@@ -54,6 +55,8 @@ class EventKind(StrEnum):
     SNAPSHOT_FAILED = "snapshot_failed"
     SNAPSHOT_SKIPPED = "snapshot_skipped"
     FINISHED = "finished"
+    ZYGOTE = "zygote"
+    COLD_START = "cold_start"
 
 
 class EventData(BaseModel):
@@ -117,6 +120,28 @@ class LauncherExited(EventData):
     exitcode: Int32 | None = None
     message: Text = ""
     fatal: bool = False
+
+
+class ZygoteChanged(EventData):
+    """The launcher's warm zygote (``worker.warm``): ``ready`` to fork workers (after
+    ``import_s`` seconds of start, holding ``rss_bytes`` of memory), ``lost`` (it died;
+    another is started) or ``unavailable`` (workers start cold from now)."""
+
+    kind = EventKind.ZYGOTE
+    state: Literal["ready", "lost", "unavailable"] | None = None
+    pid: Count | None = None
+    import_s: FiniteOrNone = None
+    rss_bytes: ByteCount | None = None
+    message: Text = ""
+
+
+class ColdStarted(EventData):
+    """A worker was started as a new interpreter, not forked from the zygote; ``reason``
+    says why."""
+
+    kind = EventKind.COLD_START
+    local_rank: Count | None = None
+    reason: Text = ""
 
 
 class WorkerStartup(BaseModel):
@@ -268,6 +293,16 @@ class FinishedEvent(_Event):
     data: TrainingFinished = Field(default_factory=TrainingFinished)
 
 
+class ZygoteEvent(_Event):
+    kind: Literal[EventKind.ZYGOTE]
+    data: ZygoteChanged = Field(default_factory=ZygoteChanged)
+
+
+class ColdStartEvent(_Event):
+    kind: Literal[EventKind.COLD_START]
+    data: ColdStarted = Field(default_factory=ColdStarted)
+
+
 RuntimeEvent = Annotated[
     RendezvousEvent
     | WorkerFailedEvent
@@ -278,7 +313,9 @@ RuntimeEvent = Annotated[
     | SnapshotEvent
     | SnapshotFailedEvent
     | SnapshotSkippedEvent
-    | FinishedEvent,
+    | FinishedEvent
+    | ZygoteEvent
+    | ColdStartEvent,
     Field(discriminator="kind"),
 ]
 

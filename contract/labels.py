@@ -16,6 +16,10 @@ from collections.abc import Mapping
 
 from contract.protocol import ATTEMPT_NUMBER_ENV, JOB_ID_ENV, NODE_NAME_ENV
 
+# What a node's warm zygote (``worker.zygote``) calls itself in /proc/PID/comm, so that
+# it is told apart from the workers forked from it, which share its command line.
+ZYGOTE_PROCESS_NAME = "relaunch-zygote"
+
 
 def log_label(
     *,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from contract.labels import ZYGOTE_PROCESS_NAME as ZYGOTE_NAME
 from service.client import RelaunchClient
 
 
@@ -36,15 +37,20 @@ def job_processes(snapshot_dir: Path) -> list[psutil.Process]:
 
 
 def job_worker_processes(snapshot_dir: Path) -> list[psutil.Process]:
-    """The job's training processes (not its launchers)."""
+    """The job's training processes (not its launchers, nor their warm zygotes).
+
+    A worker forked from a zygote (``worker.warm``) keeps the zygote's command line
+    and environment block, but not its name (``relaunch-zygote``)."""
     workers = []
     for proc in job_processes(snapshot_dir):
         try:
             cmd = " ".join(proc.cmdline())
+            name = proc.name()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if "worker.launch" not in cmd and "torch.distributed.run" not in cmd:
-            workers.append(proc)
+        if "worker.launch" in cmd or "torch.distributed.run" in cmd or name == ZYGOTE_NAME:
+            continue
+        workers.append(proc)
     return workers
 
 

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from contract.events import (
     UNCHARGED_CAUSES,
+    ColdStarted,
     EventData,
     HangDetected,
     LauncherExited,
@@ -30,6 +31,7 @@ from contract.events import (
     TrainingProgress,
     TrainingStarted,
     WorkerFailed,
+    ZygoteChanged,
 )
 from contract.protocol import AttemptExit, AttemptReport, StopReason
 from service.attempts import active_members, drop_member, end_attempt, end_member, find_member
@@ -275,6 +277,26 @@ def _hang(data: HangDetected, at: _Applied) -> None:
 @_apply_event.register
 def _launcher_exit(data: LauncherExited, at: _Applied) -> None:
     pass  # the exit report carries the outcome
+
+
+@_apply_event.register
+def _zygote(data: ZygoteChanged, at: _Applied) -> None:
+    if data.state == "ready":
+        size = "" if data.rss_bytes is None else f", {data.rss_bytes / 2**20:.0f} MiB"
+        took = "" if data.import_s is None else f" after {data.import_s:.1f} s"
+        message = f"node {at.node.name}: warm zygote ready{took}{size}; workers start as its forks"
+    else:
+        message = f"node {at.node.name}: warm zygote {data.state}: {data.message}"
+    at.add_event("zygote", message, data)
+
+
+@_apply_event.register
+def _cold_start(data: ColdStarted, at: _Applied) -> None:
+    at.add_event(
+        "cold_start",
+        f"node {at.node.name}: local rank {data.local_rank} started cold: {data.reason}",
+        data,
+    )
 
 
 @_apply_event.register

@@ -395,6 +395,8 @@ class Attempt:
                 "--progress-dir", str(self.progress_dir),
                 "--sandbox", box.model_dump_json(),
             ]  # fmt: skip
+            if self._settings.warm_workers:
+                command.append("--warm-workers")
             if self.assignment.hang_timeout_s is not None:
                 command += ["--hang-timeout-s", str(self.assignment.hang_timeout_s)]
                 if self.assignment.hang_timeout_adaptive:

@@ -48,10 +48,12 @@ from typing import Any, Literal
 
 from contract.events import (
     UNCHARGED_CAUSES,
+    ColdStarted,
     HangDetected,
     LauncherExited,
     RendezvousComplete,
     WorkerFailed,
+    ZygoteChanged,
 )
 from contract.labels import label_from_environ
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
@@ -61,6 +63,7 @@ from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
 from worker.sandbox import WorkerSandbox, enter
+from worker.warm import Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +266,29 @@ class Supervision:
             _signal(worker.id, signal.SIGKILL)
 
 
+@dataclass
+class WarmEvents:
+    """Events of the warm zygote and of cold starts, for ``sandbox.enter``."""
+
+    events: EventWriter
+
+    def on_zygote(self, state: str, message: str, zygote: Zygote | None) -> None:
+        logger.info("%s zygote %s: %s", _CTX, state, message)
+        self.events.emit(
+            ZygoteChanged(
+                state=state,  # type: ignore[arg-type]
+                pid=None if zygote is None else zygote.pid,
+                import_s=None if zygote is None else zygote.import_s,
+                rss_bytes=None if zygote is None or state != "ready" else zygote.rss_bytes(),
+                message=bounded(message),
+            )
+        )
+
+    def on_cold(self, local_rank: int, reason: str) -> None:
+        logger.warning("%s local rank %d starts cold: %s", _CTX, local_rank, reason)
+        self.events.emit(ColdStarted(local_rank=local_rank, reason=bounded(reason)))
+
+
 def _signal(pid: int | None, sig: int) -> None:
     if pid is None:
         return
@@ -463,6 +489,12 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "the job's variables from its file",
     )
     parser.add_argument(
+        "--warm-workers",
+        action="store_true",
+        help="with --sandbox: fork the workers from a zygote that has imported torch "
+        "(worker.warm); a worker that cannot be forked starts cold, with an event",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -496,7 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         membership_file=ns.membership_file,
     )
     try:
-        refusal = enter(ns.sandbox) if ns.sandbox is not None else None
+        refusal = None
+        if ns.sandbox is not None:
+            warm = WarmEvents(events) if ns.warm_workers else None
+            refusal = enter(ns.sandbox, warm)
         if refusal is not None:
             logger.error("%s cannot start the workers: %s", _CTX, refusal)
             events.emit(

@@ -41,12 +41,15 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from worker.warm import WarmStarter, Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -338,16 +341,38 @@ def checked_error_file(torch_path: str, user: JobUser) -> None:
     os.replace(tmp, target)
 
 
-def enter(sandbox: WorkerSandbox) -> str | None:
+class WarmHooks(Protocol):
+    """Who hears of the warm zygote (``worker.warm``) and of workers started cold."""
+
+    def on_zygote(self, state: str, message: str, zygote: Zygote | None) -> None: ...
+
+    def on_cold(self, local_rank: int, reason: str) -> None: ...
+
+
+def enter(sandbox: WorkerSandbox, warm: WarmHooks | None = None) -> str | None:
     """In the launcher, before torch starts: take the job's variables, check that the job's
-    user can reach its working directory and script, and hook the workers' start.
+    user can reach its working directory and script, start the warm zygote (with
+    ``warm``) and hook the workers' start.
 
     Returns why the job cannot run here (a fatal failure: no restart can help)."""
     overlay = take_job_env(sandbox.job_env_file)
     refusal = unreachable(sandbox)
     if refusal is not None:
         return refusal
-    install_worker_hooks(sandbox, overlay)
+    starter = None
+    if warm is not None:
+        from worker import warm as warm_starts
+
+        installed = _Installed(sandbox, dict(overlay))
+        starter = warm_starts.WarmStarter(
+            env=_prepare(installed, dict(os.environ)),
+            cwd=os.getcwd(),
+            uid=None if sandbox.user is None else sandbox.user.uid,
+            popen_kwargs=sandbox.popen_kwargs(),
+            on_event=warm.on_zygote,
+        )
+        warm_starts.install_close_hook()
+    install_worker_hooks(sandbox, overlay, starter, None if warm is None else warm.on_cold)
     return None
 
 
@@ -395,8 +420,15 @@ def _prepare(installed: _Installed, torch_env: Mapping[str, str]) -> dict[str, s
     return env
 
 
-def install_worker_hooks(sandbox: WorkerSandbox, overlay: Mapping[str, str]) -> None:
-    """Start torch's workers as the job's user with the job's variables (this process only).
+def install_worker_hooks(
+    sandbox: WorkerSandbox,
+    overlay: Mapping[str, str],
+    starter: WarmStarter | None = None,
+    on_cold: Callable[[int, str], None] | None = None,
+) -> None:
+    """Start torch's workers as the job's user with the job's variables (this process only):
+    forked from ``starter``'s zygote where it can (``worker.warm``), else as torch would,
+    telling ``on_cold`` why.
 
     Seams (torch 2.13, ``torch/distributed/elastic/multiprocessing/``):
     ``SubprocessHandler._popen(args, env)`` (subprocess_handler/subprocess_handler.py)
@@ -429,7 +461,18 @@ def install_worker_hooks(sandbox: WorkerSandbox, overlay: Mapping[str, str]) -> 
         for log in (self._stdout, self._stderr):  # torch opened them as root, 0644
             if log is not None:
                 os.fchmod(log.fileno(), 0o600)
-        proc = original_popen(self, args, _prepare(installed, env))
+        worker_env = _prepare(installed, env)
+        proc: Any = None
+        if starter is not None:
+            from worker.warm import ColdStart
+
+            try:
+                proc = starter.fork(args, worker_env, self._stdout, self._stderr)
+            except ColdStart as exc:
+                if on_cold is not None:
+                    on_cold(self.local_rank_id, str(exc))
+        if proc is None:
+            proc = original_popen(self, args, worker_env)
         if sandbox.user is not None:
             check_runs_as(proc, sandbox.user)
         return proc

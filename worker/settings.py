@@ -80,6 +80,11 @@ class AgentSettings(BaseSettings):
         "'auto': what this host's name resolves to, as in a container",
     )
     slots: int = Field(default=1, ge=1, le=1024)
+    warm_workers: bool = Field(
+        default=True,
+        description="Fork each worker from a zygote that has imported torch (worker.warm); "
+        "false: start every worker as a new interpreter",
+    )
     work_dir: Path = Field(
         default_factory=_default_work_dir,
         description="Per-node state: attempt dirs, pid ledger (default ~/.relaunch/agent/<name>; "

@@ -1,0 +1,234 @@
+"""Warm worker starts: a worker forked from the zygote is the process ``python`` would
+have started (``worker.zygote``, ``worker.warm``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from worker import warm, zygote
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_UID = 200_977  # no job of the suite's clusters gets this uid
+
+_FACTS = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy, torch
+    import helper
+    facts = {
+        "argv": sys.argv,
+        "file": __file__,
+        "name": __name__,
+        "path": sys.path,
+        "cwd": os.getcwd(),
+        "rank": os.environ.get("RANK"),
+        "uids": os.getresuid(),
+        "groups": os.getgroups(),
+        "session_leader": os.getsid(0) == os.getpid(),
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "comm": open("/proc/self/comm").read().strip(),
+        "threads_setting": torch.get_num_threads(),
+        "write_through": sys.stdout.write_through,
+        "isolated": sys.flags.isolated,
+        "random": numpy.random.rand(),
+        "stdin": os.read(0, 10).decode(),
+        "helper": helper.VALUE,
+        "cuda": torch.cuda.is_initialized(),
+    }
+    print(json.dumps(facts))
+    print("to stderr", file=sys.stderr)
+    sys.exit(7)
+    """
+)
+
+_SLEEPER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    here = Path(__file__).parent
+    (here / "sleeper.ready").touch()
+    code = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    while not (here / "sleeper.go").exists():
+        time.sleep(0.05)
+    sys.exit(code)
+    """
+)
+
+
+def _drive(scenario: str, work: Path, uid: int | None = None) -> dict[str, Any]:
+    (work / "sub").mkdir(exist_ok=True)
+    (work / "sub" / "main.py").write_text(_FACTS)
+    (work / "sub" / "helper.py").write_text("VALUE = 'beside the script'\n")
+    (work / "sleeper.py").write_text(_SLEEPER)
+    (work / "quick.py").write_text("print('quick')\n")
+    work.chmod(0o777)
+    for path in work.rglob("*"):
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.worker.warm_driver", scenario, str(work)]
+        + ([] if uid is None else [str(uid)]),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result: dict[str, Any] = json.loads(run.stdout.splitlines()[-1])
+    return result
+
+
+def _facts(run: dict[str, Any]) -> dict[str, Any]:
+    assert run["code"] == 7, run
+    assert run["stderr"].strip().endswith("to stderr"), run["stderr"]
+    facts: dict[str, Any] = json.loads(run["stdout"])
+    return facts
+
+
+@pytest.mark.parametrize("uid", [None, JOB_UID], ids=["same-user", "job-user"])
+def test_a_forked_worker_is_the_process_python_would_have_started(
+    tmp_path: Path, uid: int | None
+) -> None:
+    result = _drive("fidelity", tmp_path, uid)
+    cold, warm_one, warm_two = (_facts(result[k]) for k in ("cold", "warm", "warm2"))
+    # Each process draws its own numpy random state, as a new interpreter does.
+    assert len({cold.pop("random"), warm_one.pop("random"), warm_two.pop("random")}) == 3
+    assert (cold.pop("rank"), warm_one.pop("rank"), warm_two.pop("rank")) == (
+        "cold",
+        "warm",
+        "warm2",
+    )
+    assert warm_one == cold, (warm_one, cold)
+    assert warm_two == cold
+    script = str(tmp_path / "sub" / "main.py")
+    assert cold["argv"] == [script, "--lr", "0.1"]
+    assert cold["file"] == script and cold["name"] == "__main__"
+    assert cold["path"][0] == str(tmp_path / "sub")
+    assert cold["fds"] == [0, 1, 2, 3]  # 3: the listing's own
+    assert cold["stdin"] == "" and cold["cuda"] is False
+    assert cold["threads_setting"] == 1  # the worker's OMP_NUM_THREADS, not the zygote's 3
+    expected_uid = os.getuid() if uid is None else uid
+    assert cold["uids"] == [expected_uid] * 3
+    assert result["zygote_uid"] == expected_uid
+    if uid is not None:
+        assert cold["groups"] == []  # no supplementary groups
+    # A start-up error reaches the error file, whichever way the worker started.
+    for how in ("cold_missing", "warm_missing"):
+        assert result[how]["code"] == 1, result[how]
+        assert "EntrypointNotFound" in result[how]["error_file"], result[how]
+
+
+def test_torch_ends_a_forked_worker_through_its_session(tmp_path: Path) -> None:
+    result = _drive("signals", tmp_path, JOB_UID)
+    assert result["pgid"] == result["pid"]  # a session of its own, as torch starts workers
+    assert result["code"] == -15 and result["poll"] == -15
+
+
+def test_a_zygote_that_dies_is_replaced_and_its_workers_exit_status_is_kept(
+    tmp_path: Path,
+) -> None:
+    result = _drive("zygote_dies", tmp_path, JOB_UID)
+    assert result["orphan_code"] == 5  # reaped by the launcher once the zygote was gone
+    assert result["events"][:3] == ["ready", "lost", "ready"], result
+    assert result["second_pid"] != result["first_pid"]
+    assert result["code_after"] == 0
+
+
+def test_a_worker_that_cannot_be_forked_is_refused_with_the_reason(tmp_path: Path) -> None:
+    result = _drive("refused", tmp_path, JOB_UID)
+    assert len(result["reasons"]) == 2, result
+    assert "not relaunch's bootstrap" in result["reasons"][0]
+    assert "LD_PRELOAD" in result["reasons"][1]
+
+
+def test_what_may_differ_between_a_worker_and_its_zygote() -> None:
+    args = [sys.executable, "-u", "-m", "worker.bootstrap", "train.py"]
+    zygote_env = {"PATH": "/bin", "PYTHONPATH": "/code", "OMP_NUM_THREADS": "2"}
+    per_worker = {
+        **zygote_env,
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "MASTER_PORT": "29500",
+        "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_ERROR_FILE": "/x/error.json",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+    assert warm.cold_start_reason(args, per_worker, zygote_env) is None
+    for name, value in (("PYTHONPATH", "/other"), ("LD_PRELOAD", "x.so"), ("TORCH_LOGS", "+all")):
+        reason = warm.cold_start_reason(args, {**per_worker, name: value}, zygote_env)
+        assert reason is not None and name in reason
+    removed = {k: v for k, v in per_worker.items() if k != "PATH"}
+    assert "PATH" in (warm.cold_start_reason(args, removed, zygote_env) or "")
+    other = [sys.executable, "-m", "worker.bootstrap", "train.py"]  # no -u
+    assert warm.cold_start_reason(other, per_worker, zygote_env) is not None
+
+
+def test_the_zygote_does_not_fork_with_a_second_thread_or_with_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert "Python threads" in (zygote.fork_refusal() or "")
+        pid, refusal = zygote._fork()  # forks this test process; the child ends at once
+        assert pid != 0
+        assert refusal is not None and "threads at the fork" in refusal
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # already reaped by _fork
+    finally:
+        stop.set()
+        thread.join()
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    assert zygote.fork_refusal() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA" in (zygote.fork_refusal() or "")
+
+
+def test_a_pid_the_zygote_names_is_believed_only_for_its_own_child_of_the_jobs_user() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(['sleep', '30'])"]
+    )
+    child = None
+    try:
+        for _ in range(200):
+            found = [int(p) for p in Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+                     .read_text().split()]  # fmt: skip
+            if found:
+                child = found[0]
+                break
+            threading.Event().wait(0.05)
+        assert child is not None
+        pidfd = os.pidfd_open(child)
+        try:
+            assert warm.verified_pid(pidfd, parent.pid, os.getuid()) == child
+            with pytest.raises(PermissionError, match="not a child"):
+                warm.verified_pid(pidfd, os.getpid(), None)
+            with pytest.raises(PermissionError, match="not the job's"):
+                warm.verified_pid(pidfd, parent.pid, JOB_UID)
+        finally:
+            os.close(pidfd)
+        own = os.pidfd_open(os.getpid())  # this test process: nobody's worker
+        try:
+            with pytest.raises(PermissionError):
+                warm.verified_pid(own, os.getppid(), JOB_UID)
+        finally:
+            os.close(own)
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, 9)

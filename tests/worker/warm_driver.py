@@ -1,0 +1,183 @@
+"""Drives ``worker.warm`` in a process of its own (which it makes a subreaper) for
+tests/worker/test_warm.py; prints one JSON object with what it saw.
+
+Usage: python -m tests.worker.warm_driver SCENARIO WORK_DIR [UID]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from worker.warm import ColdStart, ForkedProcess, WarmStarter
+
+BOOTSTRAP = [sys.executable, "-u", "-m", "worker.bootstrap"]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int | None]] = []
+        self.changed = threading.Condition()
+
+    def __call__(self, state: str, message: str, zygote: Any) -> None:
+        with self.changed:
+            self.events.append((state, message, None if zygote is None else zygote.pid))
+            self.changed.notify_all()
+
+    def wait_for(self, state: str, count: int = 1) -> None:
+        with self.changed:
+            done = self.changed.wait_for(
+                lambda: sum(1 for e in self.events if e[0] == state) >= count, timeout=180
+            )
+        if not done:
+            raise SystemExit(f"no {state} event: {self.events}")
+
+
+def _starter(work: Path, uid: int | None, env: dict[str, str]) -> tuple[WarmStarter, Recorder]:
+    recorder = Recorder()
+    kwargs: dict[str, Any] = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    starter = WarmStarter(env=env, cwd=str(work), uid=uid, popen_kwargs=kwargs, on_event=recorder)
+    recorder.wait_for("ready")
+    return starter, recorder
+
+
+def _outputs(work: Path, name: str) -> tuple[Any, Any]:
+    out = open(work / f"{name}.out", "w")  # noqa: SIM115 - the worker holds them
+    err = open(work / f"{name}.err", "w")  # noqa: SIM115
+    os.fchmod(out.fileno(), 0o600)
+    os.fchmod(err.fileno(), 0o600)
+    return out, err
+
+
+def _run_cold(args: list[str], env: dict[str, str], work: Path, name: str, uid: int | None) -> int:
+    out, err = _outputs(work, name)
+    kwargs: dict[str, Any] = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    # As torch starts a worker: a session of its own.
+    proc = subprocess.Popen(
+        args, env=env, cwd=work, stdout=out, stderr=err, start_new_session=True, **kwargs
+    )
+    code = proc.wait(120)
+    out.close()
+    err.close()
+    return code
+
+
+def _run_warm(
+    starter: WarmStarter, args: list[str], env: dict[str, str], work: Path, name: str
+) -> tuple[int, ForkedProcess]:
+    out, err = _outputs(work, name)
+    proc = starter.fork(args, env, out, err)
+    code = proc.wait(120)
+    out.close()
+    err.close()
+    return code, proc
+
+
+def fidelity(work: Path, uid: int | None) -> dict[str, Any]:
+    base = {**os.environ, "OMP_NUM_THREADS": "3"}
+    starter, _ = _starter(work, uid, base)
+    script = str(work / "sub" / "main.py")
+    result: dict[str, Any] = {"zygote_uid": os.stat(f"/proc/{starter.zygote._proc.pid}").st_uid}  # type: ignore[union-attr]
+    for how in ("cold", "warm", "warm2"):
+        env = {**base, "RANK": how, "OMP_NUM_THREADS": "1"}
+        args = [*BOOTSTRAP, script, "--lr", "0.1"]
+        if how == "cold":
+            code = _run_cold(args, env, work, how, uid)
+        else:
+            code, _ = _run_warm(starter, args, env, work, how)
+        result[how] = {
+            "code": code,
+            "stdout": (work / f"{how}.out").read_text(),
+            "stderr": (work / f"{how}.err").read_text(),
+        }
+    # A start-up error reaches the error file the same way.
+    for how in ("cold", "warm"):
+        error_file = work / f"{how}-error.json"
+        env = {**base, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+        args = [*BOOTSTRAP, "-m", "no_such_module_here"]
+        if how == "cold":
+            code = _run_cold(args, env, work, f"{how}-missing", uid)
+        else:
+            code, _ = _run_warm(starter, args, env, work, f"{how}-missing")
+        result[f"{how}_missing"] = {
+            "code": code,
+            "error_file": error_file.read_text() if error_file.exists() else "",
+        }
+    starter.stop()
+    return result
+
+
+def signals(work: Path, uid: int | None) -> dict[str, Any]:
+    starter, _ = _starter(work, uid, dict(os.environ))
+    script = str(work / "sleeper.py")
+    out, err = _outputs(work, "sleeper")
+    proc = starter.fork([*BOOTSTRAP, script], dict(os.environ), out, err)
+    ready = work / "sleeper.ready"
+    for _ in range(600):
+        if ready.exists():
+            break
+        threading.Event().wait(0.05)
+    pgid = os.getpgid(proc.pid)
+    proc.signal_group(signal.SIGTERM)
+    code = proc.wait(60)
+    starter.stop()
+    return {"pid": proc.pid, "pgid": pgid, "code": code, "poll": proc.poll()}
+
+
+def zygote_dies(work: Path, uid: int | None) -> dict[str, Any]:
+    starter, recorder = _starter(work, uid, dict(os.environ))
+    first = starter.zygote
+    assert first is not None
+    script = str(work / "sleeper.py")
+    out, err = _outputs(work, "orphan")
+    proc = starter.fork([*BOOTSTRAP, script, "5"], dict(os.environ), out, err)
+    first._proc.kill()  # the zygote, while its worker runs
+    recorder.wait_for("ready", count=2)
+    (work / "sleeper.go").touch()  # the worker may end now, with its own code
+    code = proc.wait(60)
+    second = starter.zygote
+    assert second is not None
+    out2, err2 = _outputs(work, "after")
+    again = starter.fork([*BOOTSTRAP, str(work / "quick.py")], dict(os.environ), out2, err2)
+    code2 = again.wait(60)
+    starter.stop()
+    return {
+        "orphan_code": code,
+        "events": [e[0] for e in recorder.events],
+        "first_pid": first.pid,
+        "second_pid": second.pid,
+        "code_after": code2,
+    }
+
+
+def refused(work: Path, uid: int | None) -> dict[str, Any]:
+    starter, _ = _starter(work, uid, dict(os.environ))
+    out, err = _outputs(work, "refused")
+    reasons = []
+    for args, env in (
+        ([sys.executable, "-u", str(work / "quick.py")], dict(os.environ)),
+        ([*BOOTSTRAP, str(work / "quick.py")], {**os.environ, "LD_PRELOAD": "libc.so.6"}),
+    ):
+        try:
+            starter.fork(args, env, out, err)
+        except ColdStart as exc:
+            reasons.append(str(exc))
+    starter.stop()
+    return {"reasons": reasons}
+
+
+def main() -> None:
+    scenario, work = sys.argv[1], Path(sys.argv[2])
+    uid = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    os.chdir(work)
+    print(json.dumps(globals()[scenario](work, uid)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""The warm zygote: a process that has imported torch once and forks each worker from there.
+
+Usage (the launcher starts it; see ``worker.warm``)::
+
+    python -u -m worker.zygote --fd N --parent-pid P
+
+It is started the way a worker is (``python -u -m ...``, the worker's user, the
+job's environment without the per-worker variables, the working directory), so
+everything that takes effect only when an interpreter starts (``LD_PRELOAD``,
+``PYTHONPATH``, ``PYTHONHASHSEED``, a planted package in the working directory)
+is in effect in it exactly as in a worker started cold. It imports torch,
+``torch.distributed``, ``torch._dynamo``, DDP, numpy and relaunch's runtime,
+checks that it is still the only thread and that CUDA is not initialised, says
+``ready`` on its socket and waits.
+
+The protocol is JSON, one message per ``SOCK_SEQPACKET`` packet:
+
+- launcher -> zygote: ``{"fork": id, "argv": [...], "env": {...}, "cwd": "...",
+  "new_session": bool, "stdout": bool, "stderr": bool}`` with the worker's
+  output files as ``SCM_RIGHTS`` descriptors (stdout first);
+- zygote -> launcher: ``{"ready": pid, "import_s": s}``, ``{"forked": id, "pid": p}``
+  or ``{"refused": id, "reason": "..."}``, and ``{"exited": pid, "returncode": r}``
+  (``subprocess.Popen``'s convention: ``-N`` for signal N) for every worker it reaps.
+
+In the child of a fork, ``serve`` returns the request and ``main`` turns the
+process into the worker (``become``): a new session, the output files on 1 and 2,
+every other descriptor closed, the worker's environment and working directory,
+fresh random state, then ``worker.bootstrap`` with the worker's arguments, and
+the interpreter's own exit (``atexit``, non-daemon threads, flushed streams).
+
+Nothing here trusts the launcher less than a cold start does, and the launcher
+trusts nothing the zygote says: it checks every pid it is given (``worker.warm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from contract.labels import ZYGOTE_PROCESS_NAME
+
+# A request carries a worker's whole environment; a packet stays below this.
+MAX_MESSAGE_BYTES = 1 << 20
+# What a worker started by ``-m worker.bootstrap`` runs; anything else is refused.
+BOOTSTRAP = ("-m", "worker.bootstrap")
+# Thread pools that libgomp and MKL size when torch is loaded: a worker whose
+# environment asks for another size has it set after the fork.
+_THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+# The zygote's name in ps and /proc/PID/comm; its workers take back the interpreter's.
+ZYGOTE_NAME = ZYGOTE_PROCESS_NAME
+
+
+def warm_imports() -> None:
+    """What every worker would import first: paid once, here."""
+    import numpy  # noqa: F401
+    import torch
+    import torch._dynamo  # DDP's constructor imports it: seconds on a CUDA build
+    import torch.distributed
+    import torch.distributed.elastic.multiprocessing.errors
+    import torch.nn.parallel
+
+    import worker.bootstrap
+    import worker.runtime.startup
+    import worker.runtime.step_counter  # noqa: F401
+
+    if not torch.distributed.is_available():  # pragma: no cover - builds without it
+        raise RuntimeError("this torch has no torch.distributed")
+
+
+def threads() -> int:
+    """Threads of this process, by the kernel's count."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def fork_refusal() -> str | None:
+    """Why forking now would not give a sound worker; None when it would.
+
+    Threads the kernel counts are checked after each fork instead (``_fork``): a
+    library may run a pool that it stops itself when the process forks (OpenBLAS,
+    which torch loads with numpy, does, through ``pthread_atfork``)."""
+    import threading
+
+    if threading.active_count() != 1:
+        return f"the zygote runs {threading.active_count()} Python threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in the zygote; a forked child could not use it"
+    return None
+
+
+def _fork() -> tuple[int, str | None]:
+    """Fork; in the parent, ``(pid, None)`` if no thread but the forking one existed
+    at the fork, else ``(pid, why)`` with the child already ended. The child goes
+    on only once the parent has counted (a byte on a pipe); it gets ``(0, None)``."""
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_write)
+        verdict = os.read(go_read, 1)
+        os.close(go_read)
+        if verdict != b"1":
+            os._exit(70)
+        return 0, None
+    os.close(go_read)
+    count = threads()  # any thread still here now was here at the fork as well
+    os.write(go_write, b"1" if count == 1 else b"0")
+    os.close(go_write)
+    if count == 1:
+        return pid, None
+    os.waitpid(pid, 0)
+    return pid, f"the zygote had {count} threads at the fork; a fork copies only one"
+
+
+def _trial_fork() -> str | None:
+    """Fork once, to learn before serving whether a fork here is sound."""
+    pid, refusal = _fork()
+    if pid == 0:
+        os._exit(0)
+    if refusal is None:
+        os.waitpid(pid, 0)
+    return refusal
+
+
+@dataclass
+class Request:
+    """One worker to fork: what the launcher asked, and the descriptors it sent."""
+
+    id: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    new_session: bool
+    stdout: int | None
+    stderr: int | None
+    fds: list[int] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, payload: bytes, fds: list[int]) -> Request:
+        message = json.loads(payload)
+        argv = message["argv"]
+        env = message["env"]
+        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+            raise ValueError("argv must be a list of strings")
+        if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+            raise ValueError("env must map names to strings")
+        if any("=" in k or "\x00" in k or "\x00" in v or not k for k, v in env.items()):
+            raise ValueError("env holds a name or value that no environment can")
+        wanted = int(bool(message.get("stdout"))) + int(bool(message.get("stderr")))
+        if wanted != len(fds):
+            raise ValueError(f"{wanted} output files announced, {len(fds)} sent")
+        queue = list(fds)
+        stdout = queue.pop(0) if message.get("stdout") else None
+        stderr = queue.pop(0) if message.get("stderr") else None
+        return cls(
+            id=int(message["fork"]),
+            argv=argv,
+            env=env,
+            cwd=str(message["cwd"]),
+            new_session=bool(message.get("new_session", True)),
+            stdout=stdout,
+            stderr=stderr,
+            fds=list(fds),
+        )
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    payload, ancillary, _flags, _addr = sock.recvmsg(
+        MAX_MESSAGE_BYTES, socket.CMSG_SPACE(2 * fds.itemsize)
+    )
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    return payload, list(fds)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def serve(sock: socket.socket) -> Request:
+    """Fork a worker for each request until the launcher hangs up (then exit).
+
+    Returns only in a forked child, with the request it is to become."""
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_write)
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wake_read:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_read, 4096)
+                _reap(sock)
+                continue
+            payload, fds = _receive(sock)
+            if not payload:
+                os._exit(0)  # the launcher is gone; its workers are its agent's to end
+            try:
+                request = Request.parse(payload, fds)
+            except (ValueError, KeyError, TypeError) as exc:
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"refused": -1, "reason": f"bad request: {exc}"})
+                continue
+            refusal = fork_refusal()
+            if refusal is not None:
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"refused": request.id, "reason": refusal})
+                continue
+            pid, refusal = _fork()
+            if refusal is not None:
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"refused": request.id, "reason": refusal})
+                continue
+            if pid == 0:
+                selector.close()
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_read)
+                os.close(wake_write)
+                sock.close()
+                return request
+            for fd in fds:
+                os.close(fd)
+            # A pidfd, taken before this child can be reaped: it names this process
+            # whatever happens to its pid, and the launcher signals it through it.
+            pidfd = os.pidfd_open(pid)
+            try:
+                payload = json.dumps({"forked": request.id, "pid": pid}).encode()
+                rights = array.array("i", [pidfd])
+                sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+            finally:
+                os.close(pidfd)
+            _reap(sock)
+
+
+def _redirect(request: Request) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if request.stdout is not None:
+        os.dup2(request.stdout, 1)
+    if request.stderr is not None:
+        os.dup2(request.stderr, 2)
+    # As Popen(close_fds=True): the worker holds 0, 1 and 2 only.
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+
+
+def _apply_thread_counts(before: dict[str, str | None]) -> None:
+    """Give torch the thread pool size the worker's environment asks for, where it
+    differs from the zygote's (libgomp read it when torch was loaded)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name in _THREAD_COUNT_VARIABLES:
+        value = os.environ.get(name)
+        if value == before.get(name) or value is None:
+            continue
+        with contextlib.suppress(ValueError):
+            count = int(value)
+            if count > 0:
+                torch.set_num_threads(count)
+                return
+
+
+def _reseed() -> None:
+    """``random`` reseeds itself at fork; numpy's global generator does not."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def become(request: Request) -> list[str]:
+    """Turn this forked child into the worker; returns the bootstrap's arguments."""
+    set_name(os.path.basename(sys.executable))  # as exec would have named it
+    if request.new_session:
+        os.setsid()
+    _redirect(request)
+    os.chdir(request.cwd)
+    before = {name: os.environ.get(name) for name in _THREAD_COUNT_VARIABLES}
+    os.environ.clear()
+    os.environ.update(request.env)
+    _apply_thread_counts(before)
+    _reseed()
+    return request.argv[len(BOOTSTRAP) :]
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker.zygote")
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the launcher")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    return parser.parse_args(list(argv))
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    argument = ctypes.c_char_p(value) if isinstance(value, bytes) else ctypes.c_ulong(value)
+    libc.prctl(option, argument, 0, 0, 0)
+
+
+def set_name(name: str) -> None:
+    """This process's name in /proc/PID/comm (the kernel keeps 15 bytes)."""
+    _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    # The launcher's death ends the zygote (not its workers: those are the agent's).
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_name(ZYGOTE_NAME)
+    if os.getppid() != ns.parent_pid:
+        sys.exit(1)
+    sock = socket.socket(fileno=ns.fd)
+    started = time.monotonic()
+    warm_imports()
+    refusal = fork_refusal() or _trial_fork()
+    if refusal is not None:
+        print(f"relaunch zygote: not serving: {refusal}", file=sys.stderr)
+        sys.exit(1)
+    _send(sock, {"ready": os.getpid(), "import_s": round(time.monotonic() - started, 3)})
+    request = serve(sock)
+    sys.argv = [sys.modules["worker.bootstrap"].__file__ or "", *become(request)]
+    from worker import bootstrap
+
+    bootstrap.main()
+
+
+if __name__ == "__main__":
+    main()
