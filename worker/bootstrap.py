@@ -18,11 +18,19 @@ bootstrap adds four things around it:
   reports nothing still shows its step and step time, and beats the
   hang-detection progress with every step;
 - the moments of the process's start (``worker.runtime.startup``): once torch
-  is imported, and the first optimizer step.
+  is imported, and the first optimizer step;
+- a quick end after a collective broke because a peer went away
+  (``PEER_LOST_MARKERS``): once the error is recorded, the traceback printed and
+  the ``atexit`` handlers run, the process exits at once (status 1), skipping the
+  interpreter's last garbage collection, in which the broken process group's
+  queued work holds the exit for a second or more. NCCL's async error handling
+  ends such a process as abruptly; the peers' restart waits for this one.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import importlib.util
 import os
@@ -32,6 +40,16 @@ import sys
 from collections.abc import Sequence
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+# A collective that broke because a peer process or node went away (gloo on CPU, NCCL on
+# GPU). The failed peer, if it still lives, reports its own failure; this one is a
+# consequence, which the controller counts as a membership change, not a restart.
+PEER_LOST_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
 
 
 class EntrypointNotFound(ImportError):
@@ -63,6 +81,22 @@ def run_program(argv: Sequence[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure because a peer went away."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_LOST_MARKERS)
+
+
+def _exit_now(exc: BaseException) -> None:
+    """End the process as an uncaught ``exc`` would, less the final garbage collection."""
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(1)
+
+
 def main() -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -71,7 +105,12 @@ def main() -> None:
 
     startup.mark(startup.Moment.IMPORTED)
     step_counter.install()
-    record(run_program)(sys.argv[1:])
+    try:
+        record(run_program)(sys.argv[1:])
+    except Exception as exc:
+        if not peer_lost(exc):
+            raise
+        _exit_now(exc)
 
 
 if __name__ == "__main__":

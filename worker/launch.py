@@ -58,7 +58,7 @@ from contract.events import (
 from contract.labels import label_from_environ
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import procs
-from worker.bootstrap import STACK_DUMP_SIGNAL
+from worker.bootstrap import PEER_LOST_MARKERS, STACK_DUMP_SIGNAL
 from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
@@ -105,16 +105,6 @@ STARTUP_ERRORS = (
     "IndentationError",
     "TabError",
     "EntrypointNotFound",
-)
-# A collective that broke because a peer process or node went away (gloo on CPU, NCCL on
-# GPU). The failed peer, if it still lives, reports its own failure; this one is a
-# consequence, which the controller counts as a membership change, not a restart.
-PEER_LOST_MARKERS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "ncclRemoteError",
 )
 STACK_DUMP_WAIT_S = 1.0  # for faulthandler to write every thread's stack before SIGKILL
 

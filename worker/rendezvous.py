@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -114,7 +115,14 @@ class ControllerRendezvous:
     def close(self) -> None:
         self._http.close()
 
-    def call(self, method: str, path: str, body: BaseModel | None, reply_type: type[_M]) -> _M:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        reply_type: type[_M],
+        params: dict[str, Any] | None = None,
+    ) -> _M:
         """One call, retried while the controller is unreachable or overloaded."""
         deadline = time.monotonic() + self._retry_s
         delay = 0.1
@@ -123,6 +131,7 @@ class ControllerRendezvous:
                 response = self._http.request(
                     method,
                     path,
+                    params=params,
                     content=None if body is None else body.model_dump_json(),
                     headers={"content-type": "application/json"},
                 )
@@ -153,10 +162,15 @@ def _read(method: str, path: str, response: httpx.Response, reply_type: type[_M]
 
 
 class ControllerBackend(RendezvousBackend):
-    """The rendezvous state at the controller; the fencing token is its version."""
+    """The rendezvous state at the controller; the fencing token is its version.
+
+    ``wait_for_change`` waits for another version than the last one this backend
+    saw, at the controller (a long poll), so that a launcher waiting for the others
+    in a rendezvous goes on as soon as they have written, not at its next poll."""
 
     def __init__(self, api: ControllerRendezvous) -> None:
         self._api = api
+        self._seen: int | None = None
 
     @property
     def name(self) -> str:
@@ -172,17 +186,74 @@ class ControllerBackend(RendezvousBackend):
         found = self._decoded(reply)
         return None if found is None else (*found, reply.written)
 
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the stored state to change; whether it did."""
+        started = time.monotonic()
+        seen = self._seen
+        changed = False
+        if seen is not None:
+            params = {"changed_from": seen, "wait_s": timeout_s}
+            try:
+                reply = self._api.call("GET", "/state", None, RendezvousState, params=params)
+                changed = reply.version != seen
+            except (RendezvousRefused, RendezvousUnreachable):
+                pass  # the next sync says so, as torch expects
+        left = timeout_s - (time.monotonic() - started)
+        if not changed and left > 0:
+            time.sleep(left)  # never poll faster than torch would
+        return changed
+
     def _call(self, method: str, body: BaseModel | None) -> RendezvousState:
         try:
-            return self._api.call(method, "/state", body, RendezvousState)
+            reply = self._api.call(method, "/state", body, RendezvousState)
         except (RendezvousRefused, RendezvousUnreachable) as exc:
             raise RendezvousConnectionError(str(exc)) from exc
+        self._seen = reply.version
+        return reply
 
     @staticmethod
     def _decoded(reply: RendezvousState) -> tuple[bytes, int] | None:
         if reply.state is None:
             return None
         return decode(reply.state), reply.version
+
+
+# torch's dynamic rendezvous polls the state once a second while it waits for other
+# nodes (``dynamic_rendezvous._delay(seconds=1)`` after a SYNC action, and a state
+# cached for a second); this launcher's one handler waits at the controller instead.
+_SYNC_DELAY_S = 1
+_waiting: DynamicRendezvousHandler | None = None
+
+
+def _sync_delay(original: Callable[..., None], seconds: Any) -> None:
+    handler = _waiting
+    backend = getattr(handler, "_backend_for_wait", None)
+    if seconds != _SYNC_DELAY_S or handler is None or backend is None:
+        original(seconds=seconds)
+        return
+    if backend.wait_for_change(float(seconds)):
+        holder = getattr(handler, "_state_holder", None)
+        if holder is not None and hasattr(holder, "_last_sync_time"):
+            holder._last_sync_time = -1  # the cached state is stale: read it at once
+
+
+def install_sync_wait() -> None:
+    """Replace the SYNC poll of torch's dynamic rendezvous in this process (once).
+
+    Seam (torch 2.11 to 2.13, ``rendezvous/dynamic_rendezvous.py``):
+    ``_DistributedRendezvousOpExecutor.run`` calls the module's ``_delay(seconds=1)``
+    when the state holder has nothing to do but wait for other nodes' writes, and
+    ``_BackendRendezvousStateHolder.sync`` serves a state read less than
+    ``_cache_duration`` (1 s) ago from ``_last_sync_time``. Any other delay (the
+    first round's random skew) is torch's own."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    current = dynamic_rendezvous._delay
+    if getattr(current, "_relaunch_sync_wait", False):
+        return
+    replacement = functools.partial(_sync_delay, current)
+    replacement._relaunch_sync_wait = True  # type: ignore[attr-defined]
+    dynamic_rendezvous._delay = replacement
 
 
 class ControllerStore(dist.Store):
@@ -286,7 +357,13 @@ def handler_for(
     api = ControllerRendezvous(params.endpoint, params.run_id, node_token, member_id=member_id)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     store = ControllerStore(api, timeout=timedelta(seconds=read_timeout))
-    return create_handler(store, ControllerBackend(api), params)
+    backend = ControllerBackend(api)
+    handler = create_handler(store, backend, params)
+    handler._backend_for_wait = backend  # type: ignore[attr-defined]
+    global _waiting
+    _waiting = handler
+    install_sync_wait()
+    return handler
 
 
 def register(node_token: str, member_id: int | None = None) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Depends, Header, Path
+from fastapi import APIRouter, Depends, Header, Path, Query
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -101,10 +101,35 @@ def _write(
 
 
 @router.get("/{rdzv_id}/state", response_model=RendezvousState)
-def get_state(rdzv_id: RdzvId, caller: CallerDep, factory: ReadFactoryDep) -> RendezvousState:
-    """The attempt's rendezvous state and its version; none (version 0) before the first write."""
-    with transaction(factory) as session:
-        found = rendezvous.get_state(session, caller.attempt(session, rdzv_id))
+async def get_state(
+    rdzv_id: RdzvId,
+    caller: CallerDep,
+    factory: ReadFactoryDep,
+    changed_from: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=2**62,
+            description="answer once the version is no longer this one, or after wait_s",
+        ),
+    ] = None,
+    wait_s: Annotated[float, Query(ge=0, le=3600)] = 0.0,
+) -> RendezvousState:
+    """The attempt's rendezvous state and its version; none (version 0) before the first
+    write. With ``changed_from``, waits (at most ``wait_s``, at most ``MAX_WAIT_S``) for
+    another version: a launcher that waits for the others learns at once that they came."""
+
+    def read() -> tuple[bytes, int] | None:
+        with transaction(factory) as session:
+            return rendezvous.get_state(session, caller.attempt(session, rdzv_id))
+
+    deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
+    while True:
+        found = await run_in_threadpool(read)
+        version = 0 if found is None else found[1]
+        if changed_from is None or version != changed_from or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(POLL_S)
     if found is None:
         return RendezvousState()
     return RendezvousState(state=encode(found[0]), version=found[1])

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from contract.events import (
+    ColdStarted,
     EventData,
     EventKind,
     HangDetected,
@@ -22,6 +23,7 @@ from contract.events import (
     TrainingProgress,
     TrainingStarted,
     WorkerFailed,
+    ZygoteChanged,
     parse_event,
     runtime_event,
 )
@@ -38,6 +40,8 @@ PAYLOADS: list[type[EventData]] = [
     SnapshotFailed,
     SnapshotSkipped,
     TrainingFinished,
+    ZygoteChanged,
+    ColdStarted,
 ]
 TIME = "2026-11-22T00:00:00Z"
 

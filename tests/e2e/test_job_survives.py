@@ -49,6 +49,9 @@ def test_a_killed_worker_restarts_and_the_job_ends_with_the_uninterrupted_model(
     assert "worker_failed" in kinds
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert resumed, kinds
+    # Every worker, the first ones and the restarted one, was a fork of a warm zygote.
+    assert [e["data"]["state"] for e in events if e["kind"] == "zygote"] == ["ready"] * 2, kinds
+    assert "cold_start" not in kinds
     assert resumed[0]["data"]["resumed_from_step"] > 0
     # The restart taken apart: every phase the Trainer reports, each moment after the one
     # before it (one machine, one clock). The fault's own moment only the killer knows.

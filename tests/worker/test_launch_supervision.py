@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,3 +209,41 @@ def test_the_bootstrap_records_a_startup_error(tmp_path: Path) -> None:
     assert run.returncode == 1
     text = (tmp_path / "error.json").read_text()
     assert "EntrypointNotFound" in text and "no_such_package_here" in text
+
+
+_LOSES_A_PEER = textwrap.dedent(
+    """
+    import atexit, sys
+    from pathlib import Path
+    here = Path(__file__).parent
+
+    class Finalized:
+        def __del__(self):
+            (here / "finalized").write_text("yes")
+
+    KEPT = Finalized()  # finalized only by the interpreter's own end
+    atexit.register(lambda: (here / "atexit").write_text("yes"))
+    print("buffered", end="")
+    raise RuntimeError(sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "quick"),
+    [("[pair.cc:553] Connection closed by peer [127.0.0.1]:16514", True), ("bad batch", False)],
+    ids=["peer-lost", "other-error"],
+)
+def test_a_worker_whose_collective_lost_its_peer_exits_without_the_last_collection(
+    tmp_path: Path, message: str, quick: bool
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_LOSES_A_PEER)
+    run = _bootstrap(tmp_path, str(script), message)
+    assert run.returncode == 1
+    assert run.stdout == "buffered"  # flushed either way
+    assert f"RuntimeError: {message}" in run.stderr  # the traceback, as Python prints it
+    assert "RuntimeError" in (tmp_path / "error.json").read_text()
+    assert (tmp_path / "atexit").exists()
+    # Only an ordinary end runs the last garbage collection, and with it __del__.
+    assert (tmp_path / "finalized").exists() is not quick

@@ -167,7 +167,12 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run the remaining epochs; return how far training got."""
         try:
-            return self._train()
+            result = self._train()
+            if self._owns_process_group and self.world_size > 1:
+                # Where rank 0's process hosts the store (srun, --nproc), it must not
+                # leave while another rank still talks to it.
+                dist.barrier()
+            return result
         finally:
             self.events.close()
             if self._owns_process_group:
