@@ -7,10 +7,11 @@ other service module but the tables.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from service.models import JobEvent
@@ -41,6 +42,20 @@ def add_event(
         )
     )
     logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
+
+
+def add_events(session: Session, kind: str, messages: Mapping[int, str], now: datetime) -> None:
+    """One event of ``kind`` on the timeline of each job in ``messages`` (a job's id to
+    its event's message), in one statement however many jobs."""
+    if not messages:
+        return
+    rows = [
+        {"job_id": job_id, "time": now, "kind": kind, "message": message, "data": {}}
+        for job_id, message in messages.items()
+    ]
+    session.execute(insert(JobEvent), rows)
+    for job_id, message in messages.items():
+        logger.info("job=%s attempt_id=None event %s: %s", job_id, kind, message)
 
 
 MEMBERSHIP_CHANGES = ("node_left", "node_joined")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 from sqlalchemy import Select, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.interfaces import ORMOption
 
 from service import anatomy, fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
-from service.job_events import add_event
+from service.job_events import add_event, add_events
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
 from service.secrets import Keyring, seal_spec
 from service.spec import JobSpec, parse_nnodes
@@ -195,27 +196,60 @@ def change_job_state(
     logger.info("job=%s state %s -> %s", job.id, old, new)
 
 
+# The most job ids one statement names: both databases take far more bound parameters
+# (SQLite 32,766, PostgreSQL 65,535), so up to this many waiting jobs cost one lock.
+MAX_IDS_PER_STATEMENT = 10_000
+
+
+def explain_waiting_jobs(
+    session: Session, reasons: Mapping[int, tuple[JobState, str]], now: datetime
+) -> list[int]:
+    """Make each reason the message of its job, a job that waits to be placed, and put it
+    on the job's timeline; ``reasons`` maps a job's id to the state it waits in and why.
+
+    A fixed number of statements however many jobs (one lock per
+    ``MAX_IDS_PER_STATEMENT`` of them): the rows are locked, then each job still
+    in its state and not already saying its reason is written, the others are left
+    as they are, so two passes never record one reason twice. Returns the ids of
+    the jobs written, in order.
+    """
+    if any(not state.is_placeable() for state, _ in reasons.values()):
+        raise ValueError("only a job waiting to be placed has a waiting reason")
+    ids = sorted(reasons)
+    written: list[int] = []
+    for first in range(0, len(ids), MAX_IDS_PER_STATEMENT):
+        chunk = ids[first : first + MAX_IDS_PER_STATEMENT]
+        stmt = select(Job.id, Job.state, Job.message).where(Job.id.in_(chunk))
+        for job_id, state, message in session.execute(stmt.order_by(Job.id).with_for_update()):
+            if state == reasons[job_id][0] and message != reasons[job_id][1]:
+                written.append(job_id)
+    if written:
+        session.execute(
+            update(Job),
+            [
+                {"id": job_id, "message": reasons[job_id][1], "updated_at": now}
+                for job_id in written
+            ],
+        )
+        add_events(session, "waiting", {job_id: reasons[job_id][1] for job_id in written}, now)
+    return written
+
+
 def explain_waiting(
     session: Session, job: Job, state: JobState, reason: str, now: datetime
 ) -> None:
     """Make ``reason`` the message of a job that waits to be placed, and put it on the timeline.
 
-    Compare-and-set on the row: raises ``StaleState`` when the job is no longer
-    in ``state`` (it was placed, cancelled or failed meanwhile) or already says
-    ``reason``, so two passes never record one reason twice.
+    Raises ``StaleState`` when the job is no longer in ``state`` (it was placed,
+    cancelled or failed meanwhile) or already says ``reason``
+    (``explain_waiting_jobs``, for one job).
     """
     if not state.is_placeable():
         raise ValueError(f"only a job waiting to be placed has a waiting reason, not {state}")
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.state == state, Job.message != reason)
-        .values(message=reason, updated_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not explain_waiting_jobs(session, {job.id: (state, reason)}, now):
         raise StaleState(f"job {job.id} is no longer {state} or already says why it waits")
-    job.message, job.updated_at = reason, now
-    add_event(session, job.id, "waiting", reason, now)
+    set_committed_value(job, "message", reason)
+    set_committed_value(job, "updated_at", now)
 
 
 def cancel_job(session: Session, job_id: int, viewer: User, now: datetime) -> Job:

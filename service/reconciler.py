@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
+from sqlalchemy.exc import MultipleResultsFound
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.attempts import (
@@ -26,12 +27,11 @@ from service.attempts import (
     count_membership_change,
     create_attempt,
     end_attempt,
-    running_attempt,
 )
 from service.db import transaction
 from service.errors import StaleState
 from service.job_events import add_event
-from service.jobs import change_job_state, explain_waiting, get_job
+from service.jobs import change_job_state, explain_waiting, explain_waiting_jobs, get_job
 from service.leader import Leadership, LeaseLost, acquire, hold, release
 from service.metrics import ControllerMetrics
 from service.models import Attempt, AttemptMember, Job, Node
@@ -215,24 +215,52 @@ def plan(
 
 
 def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
+    """The nodes and the open jobs, each open job with its running attempt's active members.
+
+    Four statements however many jobs are open (nodes, open jobs, their running
+    attempts, those attempts' active members); the views are put together here.
+    A job with two running attempts is an error, as ``running_attempt`` says.
+    """
     nodes = [
         NodeView(n.id, n.state, n.last_heartbeat_at, n.slots) for n in session.scalars(select(Node))
     ]
-    open_states = [s for s in JobState if not s.is_terminal()]
+    open_jobs = Job.state.in_([s for s in JobState if not s.is_terminal()])
+    rows = list(session.scalars(select(Job).where(open_jobs)))
+    running = (
+        select(Attempt.id, Attempt.job_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(open_jobs, Attempt.state == AttemptState.RUNNING)
+    )
+    attempt_of: dict[int, int] = {}
+    for running_id, job_id in session.execute(running):
+        if job_id in attempt_of:
+            raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
+        attempt_of[job_id] = running_id
+    members = (
+        select(AttemptMember.attempt_id, AttemptMember.node_id)
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(
+            open_jobs,
+            Attempt.state == AttemptState.RUNNING,
+            AttemptMember.state == MemberState.ACTIVE,
+        )
+        .order_by(AttemptMember.id)
+    )
+    members_of: dict[int, list[int]] = defaultdict(list)
+    for running_id, node_id in session.execute(members):
+        members_of[running_id].append(node_id)
     jobs: list[JobView] = []
-    for job in session.scalars(select(Job).where(Job.state.in_(open_states))):
-        attempt = running_attempt(session, job.id)
-        members: tuple[int, ...] = ()
-        if attempt is not None:
-            members = tuple(m.node_id for m in active_members(session, attempt.id))
+    for job in rows:
+        attempt_id = attempt_of.get(job.id)
         jobs.append(
             JobView(
                 id=job.id,
                 state=job.state,
                 created_at=job.created_at,
                 spec=job.job_spec,
-                attempt_id=attempt.id if attempt else None,
-                members=members,
+                attempt_id=attempt_id,
+                members=tuple(members_of.get(attempt_id, ())) if attempt_id is not None else (),
                 waiting_since=job.waiting_since,
                 not_before=job.not_before,
                 message=job.message,
@@ -347,20 +375,48 @@ class Reconciler:
         ]
         actions = plan(now, nodes, jobs, node_timeout)
         phase.done("plan")
-        for action in actions:
+        self._apply_all(leadership, actions, now)
+        phase.done("apply")
+        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
+        return actions
+
+    def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:
+        """Apply each action in its own transaction, in order, except the ``ExplainWait``s:
+        those are written last, together, in one (``explain_waiting_jobs``), so that the
+        reasons of a deep queue cost a few statements, not a few per job. A stale action
+        is skipped; once the lease is lost, nothing more is applied."""
+        explanations = [a for a in actions if isinstance(a, ExplainWait)]
+        steps: list[Action | list[ExplainWait]] = [
+            a for a in actions if not isinstance(a, ExplainWait)
+        ]
+        if explanations:
+            steps.append(explanations)
+        for step in steps:
             try:
                 with transaction(self._factory) as session:
                     hold(session, leadership, self._clock())
-                    self.apply(session, action, now)
+                    if isinstance(step, list):
+                        self._explain(session, step, now)
+                    else:
+                        self.apply(session, step, now)
             except LeaseLost as exc:
                 logger.warning("controller %s stops acting: %s", leadership.holder, exc)
                 self._leadership = None
                 break
             except StaleState as exc:
-                logger.info("skipped %s: %s", action, exc)
-        phase.done("apply")
-        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
-        return actions
+                logger.info("skipped %s: %s", step, exc)
+
+    def _explain(self, session: Session, actions: list[ExplainWait], now: datetime) -> None:
+        reasons = {a.job_id: (a.state, a.reason) for a in actions}
+        written = set(explain_waiting_jobs(session, reasons, now))
+        for action in actions:
+            if action.job_id not in written:
+                logger.info(
+                    "skipped %s: job %s is no longer %s or already says why it waits",
+                    action,
+                    action.job_id,
+                    action.state,
+                )
 
     def _lead(self, now: datetime) -> Leadership | None:
         me = self._settings.controller_id
