@@ -38,7 +38,7 @@ from service.jobs import (
     explain_waiting_jobs,
     get_job,
 )
-from service.leader import Leadership, LeaseLost, acquire, hold, release
+from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
 from service.metrics import ControllerMetrics
 from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.nodes import mark_lost
@@ -440,21 +440,31 @@ class Reconciler:
         """Apply each action in its own transaction, in order, except the ``ExplainWait``s:
         those are written last, together, in one (``explain_waiting_jobs``), so that the
         reasons of a deep queue cost a few statements, not a few per job. A stale action
-        is skipped; once the lease is lost, nothing more is applied."""
+        is skipped; once the lease is lost, nothing more is applied. A pass that runs
+        longer than half the lease extends it (``extend``)."""
         explanations = [a for a in actions if isinstance(a, ExplainWait)]
         steps: list[Action | list[ExplainWait]] = [
             a for a in actions if not isinstance(a, ExplainWait)
         ]
         if explanations:
             steps.append(explanations)
+        # Half the lease before it runs out, the next step extends it as it acts.
+        lease_s = self._settings.leader_lease_s
         for step in steps:
             try:
                 with transaction(self._factory) as session:
-                    hold(session, leadership, self._clock())
+                    at = self._clock()
+                    if at < leadership.expires_at - timedelta(seconds=lease_s / 2):
+                        hold(session, leadership, at)
+                        extended = None
+                    else:
+                        extended = extend(session, leadership, at, lease_s)
                     if isinstance(step, list):
                         self._explain(session, step, now)
                     else:
                         self.apply(session, step, now)
+                if extended is not None:  # committed
+                    leadership = self._leadership = extended
             except LeaseLost as exc:
                 logger.warning("controller %s stops acting: %s", leadership.holder, exc)
                 self._leadership = None
