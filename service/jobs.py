@@ -22,7 +22,7 @@ from sqlalchemy.orm.interfaces import ORMOption
 from service import anatomy, fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
-from service.job_events import add_event, add_events
+from service.job_events import add_event, add_events_alike
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
 from service.secrets import Keyring, seal_spec
 from service.spec import JobSpec, parse_nnodes
@@ -197,8 +197,16 @@ def change_job_state(
 
 
 # The most job ids one statement names: both databases take far more bound parameters
-# (SQLite 32,766, PostgreSQL 65,535), so up to this many waiting jobs cost one lock.
+# (SQLite 32,766, PostgreSQL 65,535), so up to this many jobs cost one statement.
 MAX_IDS_PER_STATEMENT = 10_000
+
+
+def chunked(ids: Sequence[int]) -> list[Sequence[int]]:
+    """``ids`` in runs of at most ``MAX_IDS_PER_STATEMENT``."""
+    return [
+        ids[first : first + MAX_IDS_PER_STATEMENT]
+        for first in range(0, len(ids), MAX_IDS_PER_STATEMENT)
+    ]
 
 
 def explain_waiting_jobs(
@@ -207,32 +215,31 @@ def explain_waiting_jobs(
     """Make each reason the message of its job, a job that waits to be placed, and put it
     on the job's timeline; ``reasons`` maps a job's id to the state it waits in and why.
 
-    A fixed number of statements however many jobs (one lock per
-    ``MAX_IDS_PER_STATEMENT`` of them): the rows are locked, then each job still
-    in its state and not already saying its reason is written, the others are left
-    as they are, so two passes never record one reason twice. Returns the ids of
-    the jobs written, in order.
+    Compare-and-set on the rows, two statements for each reason (and state) however
+    many jobs give it (and ``MAX_IDS_PER_STATEMENT`` at most in each): a job no
+    longer in its state (placed, cancelled or failed meanwhile) or already saying its
+    reason is left as it is, so two passes never record one reason twice. Returns the
+    ids of the jobs written, in order.
     """
     if any(not state.is_placeable() for state, _ in reasons.values()):
         raise ValueError("only a job waiting to be placed has a waiting reason")
-    ids = sorted(reasons)
+    jobs_by_reason: dict[tuple[JobState, str], list[int]] = {}
+    for job_id in sorted(reasons):
+        jobs_by_reason.setdefault(reasons[job_id], []).append(job_id)
     written: list[int] = []
-    for first in range(0, len(ids), MAX_IDS_PER_STATEMENT):
-        chunk = ids[first : first + MAX_IDS_PER_STATEMENT]
-        stmt = select(Job.id, Job.state, Job.message).where(Job.id.in_(chunk))
-        for job_id, state, message in session.execute(stmt.order_by(Job.id).with_for_update()):
-            if state == reasons[job_id][0] and message != reasons[job_id][1]:
-                written.append(job_id)
-    if written:
-        session.execute(
-            update(Job),
-            [
-                {"id": job_id, "message": reasons[job_id][1], "updated_at": now}
-                for job_id in written
-            ],
-        )
-        add_events(session, "waiting", {job_id: reasons[job_id][1] for job_id in written}, now)
-    return written
+    for (state, reason), ids in jobs_by_reason.items():
+        for chunk in chunked(ids):
+            stmt = (
+                update(Job)
+                .where(Job.id.in_(chunk), Job.state == state, Job.message != reason)
+                .values(message=reason, updated_at=now)
+                .returning(Job.id)
+                .execution_options(synchronize_session=False)
+            )
+            changed = sorted(session.scalars(stmt))
+            add_events_alike(session, changed, "waiting", reason, now)
+            written += changed
+    return sorted(written)
 
 
 def explain_waiting(

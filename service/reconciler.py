@@ -32,8 +32,8 @@ from service.db import transaction
 from service.errors import StaleState
 from service.job_events import add_event
 from service.jobs import (
-    MAX_IDS_PER_STATEMENT,
     change_job_state,
+    chunked,
     explain_waiting,
     explain_waiting_jobs,
     get_job,
@@ -255,7 +255,7 @@ def load_views(
 
     A fixed number of statements however many jobs are open: nodes, open jobs,
     their running attempts, those attempts' active members, and the specs of the
-    jobs ``specs`` lacks (one statement per ``MAX_IDS_PER_STATEMENT`` of them);
+    jobs ``specs`` lacks (one statement per ``chunked`` run of them);
     the views are put together here. ``specs`` is kept from pass to pass: it is
     left holding the open jobs' specs only. A job with two running attempts is an
     error, as ``running_attempt`` says.
@@ -317,8 +317,7 @@ def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, dateti
     for gone in [key for key in specs if key not in wanted]:
         del specs[gone]
     missing = sorted(job_id for job_id, created_at in wanted if (job_id, created_at) not in specs)
-    for first in range(0, len(missing), MAX_IDS_PER_STATEMENT):
-        chunk = missing[first : first + MAX_IDS_PER_STATEMENT]
+    for chunk in chunked(missing):
         stmt = select(Job.id, Job.created_at, Job.spec).where(Job.id.in_(chunk))
         for job_id, created_at, stored in session.execute(stmt):
             specs[job_id, created_at] = parse_stored_spec(stored)

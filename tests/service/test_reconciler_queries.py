@@ -65,7 +65,11 @@ def test_a_pass_sends_as_many_statements_for_30_jobs_as_for_3(
 
     assert len(many_placing) == len(few_placing), (few_placing, many_placing)
     assert len(many_steady) == len(few_steady), (few_steady, many_steady)
-    waiting = [job(api, job_id) for job_id in many[len(nodes) :]]
-    assert {(j["state"], j["message"]) for j in waiting} == {
-        ("PENDING", "waiting for nodes: needs 1, 0 are free and 2 are busy with other jobs")
-    }
+    why = "waiting for nodes: needs 1, 0 are free and 2 are busy with other jobs"
+    for job_id in many[len(nodes) :]:
+        assert (job(api, job_id)["state"], job(api, job_id)["message"]) == ("PENDING", why)
+        events = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+        assert [(e["kind"], e["message"], e["data"]) for e in events] == [
+            ("submitted", "job 'j' submitted by queue", {}),
+            ("waiting", why, {}),
+        ]
