@@ -7,13 +7,14 @@ other service module but the tables.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, literal, select
 from sqlalchemy.orm import Session
 
-from service.models import JobEvent
+from service.models import Job, JobEvent
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,26 @@ def add_event(
         )
     )
     logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
+
+
+def add_events_alike(
+    session: Session, job_ids: Sequence[int], kind: str, message: str, now: datetime
+) -> None:
+    """The same event on the timeline of each job in ``job_ids``: one statement however
+    many jobs (``job_ids`` go into it as its parameters)."""
+    if not job_ids:
+        return
+    rows = select(
+        Job.id,
+        literal(now, JobEvent.time.type),
+        literal(kind, JobEvent.kind.type),
+        literal(message, JobEvent.message.type),
+        literal({}, JobEvent.data.type),
+    ).where(Job.id.in_(job_ids))
+    columns = ["job_id", "time", "kind", "message", "data"]
+    session.execute(insert(JobEvent).from_select(columns, rows))
+    for job_id in job_ids:
+        logger.info("job=%s attempt_id=None event %s: %s", job_id, kind, message)
 
 
 MEMBERSHIP_CHANGES = ("node_left", "node_joined")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 from sqlalchemy import Select, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.interfaces import ORMOption
 
 from service import anatomy, fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
-from service.job_events import add_event
+from service.job_events import add_event, add_events_alike
 from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
 from service.secrets import Keyring, seal_spec
 from service.spec import JobSpec, parse_nnodes
@@ -195,27 +196,67 @@ def change_job_state(
     logger.info("job=%s state %s -> %s", job.id, old, new)
 
 
+# The most job ids one statement names: both databases take far more bound parameters
+# (SQLite 32,766, PostgreSQL 65,535), so up to this many jobs cost one statement.
+MAX_IDS_PER_STATEMENT = 10_000
+
+
+def chunked(ids: Sequence[int]) -> list[Sequence[int]]:
+    """``ids`` in runs of at most ``MAX_IDS_PER_STATEMENT``."""
+    return [
+        ids[first : first + MAX_IDS_PER_STATEMENT]
+        for first in range(0, len(ids), MAX_IDS_PER_STATEMENT)
+    ]
+
+
+def explain_waiting_jobs(
+    session: Session, reasons: Mapping[int, tuple[JobState, str]], now: datetime
+) -> list[int]:
+    """Make each reason the message of its job, a job that waits to be placed, and put it
+    on the job's timeline; ``reasons`` maps a job's id to the state it waits in and why.
+
+    Compare-and-set on the rows, two statements for each reason (and state) however
+    many jobs give it (and ``MAX_IDS_PER_STATEMENT`` at most in each): a job no
+    longer in its state (placed, cancelled or failed meanwhile) or already saying its
+    reason is left as it is, so two passes never record one reason twice. Returns the
+    ids of the jobs written, in order.
+    """
+    if any(not state.is_placeable() for state, _ in reasons.values()):
+        raise ValueError("only a job waiting to be placed has a waiting reason")
+    jobs_by_reason: dict[tuple[JobState, str], list[int]] = {}
+    for job_id in sorted(reasons):
+        jobs_by_reason.setdefault(reasons[job_id], []).append(job_id)
+    written: list[int] = []
+    for (state, reason), ids in jobs_by_reason.items():
+        for chunk in chunked(ids):
+            stmt = (
+                update(Job)
+                .where(Job.id.in_(chunk), Job.state == state, Job.message != reason)
+                .values(message=reason, updated_at=now)
+                .returning(Job.id)
+                .execution_options(synchronize_session=False)
+            )
+            changed = sorted(session.scalars(stmt))
+            add_events_alike(session, changed, "waiting", reason, now)
+            written += changed
+    return sorted(written)
+
+
 def explain_waiting(
     session: Session, job: Job, state: JobState, reason: str, now: datetime
 ) -> None:
     """Make ``reason`` the message of a job that waits to be placed, and put it on the timeline.
 
-    Compare-and-set on the row: raises ``StaleState`` when the job is no longer
-    in ``state`` (it was placed, cancelled or failed meanwhile) or already says
-    ``reason``, so two passes never record one reason twice.
+    Raises ``StaleState`` when the job is no longer in ``state`` (it was placed,
+    cancelled or failed meanwhile) or already says ``reason``
+    (``explain_waiting_jobs``, for one job).
     """
     if not state.is_placeable():
         raise ValueError(f"only a job waiting to be placed has a waiting reason, not {state}")
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.state == state, Job.message != reason)
-        .values(message=reason, updated_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if not explain_waiting_jobs(session, {job.id: (state, reason)}, now):
         raise StaleState(f"job {job.id} is no longer {state} or already says why it waits")
-    job.message, job.updated_at = reason, now
-    add_event(session, job.id, "waiting", reason, now)
+    set_committed_value(job, "message", reason)
+    set_committed_value(job, "updated_at", now)
 
 
 def cancel_job(session: Session, job_id: int, viewer: User, now: datetime) -> Job:

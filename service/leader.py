@@ -75,11 +75,33 @@ def hold(
     session: Session, leadership: Leadership, now: datetime, name: str = RECONCILER_LEASE
 ) -> None:
     """Lock the lease row for this transaction; raise ``LeaseLost`` unless it is still ours."""
+    _held(session, leadership, now, name)
+
+
+def extend(
+    session: Session,
+    leadership: Leadership,
+    now: datetime,
+    lease_s: float,
+    name: str = RECONCILER_LEASE,
+) -> Leadership:
+    """``hold``, and the lease lasts ``lease_s`` from ``now`` again: a leader whose pass
+    takes longer than its lease keeps it while it acts. A lease that has expired is
+    not extended (``LeaseLost``, as from ``hold``); the holder takes it again with
+    ``acquire``."""
+    lease = _held(session, leadership, now, name)
+    lease.expires_at = now + timedelta(seconds=lease_s)
+    lease.renewed_at = now
+    return Leadership(lease.holder, lease.term, lease.expires_at)
+
+
+def _held(session: Session, leadership: Leadership, now: datetime, name: str) -> ControllerLease:
     lease = _locked(session, name)
     if lease.holder != leadership.holder or lease.term != leadership.term:
         raise LeaseLost(f"the {name} lease passed to {lease.holder} (term {lease.term})")
     if lease.expires_at <= now:
         raise LeaseLost(f"the {name} lease expired at {lease.expires_at.isoformat()}")
+    return lease
 
 
 def release(session: Session, holder: str, now: datetime, name: str = RECONCILER_LEASE) -> bool:

@@ -110,6 +110,11 @@ class IdempotencyKey(Base):
     created_at: Mapped[datetime]
 
 
+def parse_stored_spec(stored: dict[str, Any]) -> JobSpec:
+    """A job's stored ``spec`` as a ``JobSpec``: the env's names, each value empty."""
+    return JobSpec.model_validate(public_spec(stored))
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -149,7 +154,7 @@ class Job(Base):
 
         Its ``env`` has the names only, each value empty: the values, encrypted at
         rest, are read with ``service.secrets.open_env``."""
-        return JobSpec.model_validate(public_spec(self.spec))
+        return parse_stored_spec(self.spec)
 
 
 class Attempt(Base):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
+from sqlalchemy.exc import MultipleResultsFound
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.attempts import (
@@ -26,15 +27,20 @@ from service.attempts import (
     count_membership_change,
     create_attempt,
     end_attempt,
-    running_attempt,
 )
 from service.db import transaction
 from service.errors import StaleState
 from service.job_events import add_event
-from service.jobs import change_job_state, explain_waiting, get_job
-from service.leader import Leadership, LeaseLost, acquire, hold, release
+from service.jobs import (
+    change_job_state,
+    chunked,
+    explain_waiting,
+    explain_waiting_jobs,
+    get_job,
+)
+from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
 from service.metrics import ControllerMetrics
-from service.models import Attempt, AttemptMember, Job, Node
+from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.nodes import mark_lost
 from service.settings import ControllerSettings
 from service.spec import JobSpec
@@ -187,58 +193,134 @@ def plan(
                 continue
         if job.state.is_placeable():
             pending.append(job)
+    # By slots wanted: a deep queue asks the same few questions of the nodes.
+    big_enough_for = _BySlots(alive)
+    fitting_for = _BySlots(free)
+    reasons: dict[tuple[int, ...], str] = {}  # by what a job needs and the counts
     for job in pending:
-        fitting = [n.id for n in free if n.slots >= job.spec.nproc_per_node]
+        fitting = fitting_for.ids(job.spec.nproc_per_node)
         if len(fitting) >= job.spec.min_nodes:
             chosen = tuple(fitting[: job.spec.max_nodes])
             actions.append(PlaceJob(job.id, chosen))
-            free = [n for n in free if n.id not in chosen]
+            free = _without(free, chosen)
+            fitting_for = _BySlots(free)
             continue
         # Nodes placed for an older job in this pass count as busy: they are, next pass.
-        big_enough = sum(1 for n in alive if n.slots >= job.spec.nproc_per_node)
-        reason = _waiting_reason(
-            job,
-            free=len(fitting),
-            busy=big_enough - len(fitting),
-            too_small=len(alive) - big_enough,
-        )
+        big_enough = len(big_enough_for.ids(job.spec.nproc_per_node))
+        counts = (len(fitting), big_enough - len(fitting), len(alive) - big_enough)
+        asked = (job.spec.min_nodes, job.spec.nproc_per_node, *counts)
+        if asked not in reasons:
+            reasons[asked] = _waiting_reason(job, *counts)
+        reason = reasons[asked]
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))
     for job, remaining in running:
         room = job.spec.max_nodes - len(remaining)
-        fitting = [n.id for n in free if n.slots >= job.spec.nproc_per_node]
+        fitting = fitting_for.ids(job.spec.nproc_per_node)
         if room > 0 and fitting and job.attempt_id is not None:
             chosen = tuple(fitting[:room])
             actions.append(AddMembers(job.id, job.attempt_id, chosen))
-            free = [n for n in free if n.id not in chosen]
+            free = _without(free, chosen)
+            fitting_for = _BySlots(free)
     return actions
 
 
-def load_views(session: Session) -> tuple[list[NodeView], list[JobView]]:
+class _BySlots:
+    """The ids of ``nodes`` with at least so many slots, in their order, worked out once
+    for each number of slots asked."""
+
+    def __init__(self, nodes: Sequence[NodeView]) -> None:
+        self._nodes = nodes
+        self._ids: dict[int, list[int]] = {}
+
+    def ids(self, slots: int) -> list[int]:
+        if slots not in self._ids:
+            self._ids[slots] = [n.id for n in self._nodes if n.slots >= slots]
+        return self._ids[slots]
+
+
+def _without(nodes: list[NodeView], taken: Sequence[int]) -> list[NodeView]:
+    gone = set(taken)
+    return [n for n in nodes if n.id not in gone]
+
+
+# A parsed spec by the job's id and submit time (a spec never changes after submit).
+SpecCache = dict[tuple[int, datetime], JobSpec]
+
+
+def load_views(
+    session: Session, specs: SpecCache | None = None
+) -> tuple[list[NodeView], list[JobView]]:
+    """The nodes and the open jobs, each open job with its running attempt's active members.
+
+    A fixed number of statements however many jobs are open: nodes, open jobs,
+    their running attempts, those attempts' active members, and the specs of the
+    jobs ``specs`` lacks (one statement per ``chunked`` run of them);
+    the views are put together here. ``specs`` is kept from pass to pass: it is
+    left holding the open jobs' specs only. A job with two running attempts is an
+    error, as ``running_attempt`` says.
+    """
+    specs = {} if specs is None else specs
     nodes = [
         NodeView(n.id, n.state, n.last_heartbeat_at, n.slots) for n in session.scalars(select(Node))
     ]
-    open_states = [s for s in JobState if not s.is_terminal()]
+    open_jobs = Job.state.in_([s for s in JobState if not s.is_terminal()])
+    columns = (Job.id, Job.state, Job.created_at, Job.waiting_since, Job.not_before, Job.message)
+    rows = session.execute(select(*columns).where(open_jobs)).all()
+    running = (
+        select(Attempt.id, Attempt.job_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(open_jobs, Attempt.state == AttemptState.RUNNING)
+    )
+    attempt_of: dict[int, int] = {}
+    for running_id, job_id in session.execute(running):
+        if job_id in attempt_of:
+            raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
+        attempt_of[job_id] = running_id
+    members = (
+        select(AttemptMember.attempt_id, AttemptMember.node_id)
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(
+            open_jobs,
+            Attempt.state == AttemptState.RUNNING,
+            AttemptMember.state == MemberState.ACTIVE,
+        )
+        .order_by(AttemptMember.id)
+    )
+    members_of: dict[int, list[int]] = defaultdict(list)
+    for running_id, node_id in session.execute(members):
+        members_of[running_id].append(node_id)
+    _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
     jobs: list[JobView] = []
-    for job in session.scalars(select(Job).where(Job.state.in_(open_states))):
-        attempt = running_attempt(session, job.id)
-        members: tuple[int, ...] = ()
-        if attempt is not None:
-            members = tuple(m.node_id for m in active_members(session, attempt.id))
+    for job_id, state, created_at, waiting_since, not_before, message in rows:
+        attempt_id = attempt_of.get(job_id)
         jobs.append(
             JobView(
-                id=job.id,
-                state=job.state,
-                created_at=job.created_at,
-                spec=job.job_spec,
-                attempt_id=attempt.id if attempt else None,
-                members=members,
-                waiting_since=job.waiting_since,
-                not_before=job.not_before,
-                message=job.message,
+                id=job_id,
+                state=state,
+                created_at=created_at,
+                spec=specs[job_id, created_at],
+                attempt_id=attempt_id,
+                members=tuple(members_of.get(attempt_id, ())) if attempt_id is not None else (),
+                waiting_since=waiting_since,
+                not_before=not_before,
+                message=message,
             )
         )
     return nodes, jobs
+
+
+def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, datetime]]) -> None:
+    """Make ``specs`` hold the specs of the jobs ``keys`` name, and only those."""
+    wanted = set(keys)
+    for gone in [key for key in specs if key not in wanted]:
+        del specs[gone]
+    missing = sorted(job_id for job_id, created_at in wanted if (job_id, created_at) not in specs)
+    for chunk in chunked(missing):
+        stmt = select(Job.id, Job.created_at, Job.spec).where(Job.id.in_(chunk))
+        for job_id, created_at, stored in session.execute(stmt):
+            specs[job_id, created_at] = parse_stored_spec(stored)
 
 
 def stalled(last_pass: datetime | None, now: datetime, node_timeout: timedelta) -> bool:
@@ -310,6 +392,7 @@ class Reconciler:
         # silence counts from then at the earliest.
         self._leading_since = clock()
         self._last_pass: datetime | None = None  # wall time of the loop's last pass
+        self._specs: SpecCache = {}  # the open jobs' specs, read once each (``load_views``)
 
     @property
     def is_leader(self) -> bool:
@@ -339,7 +422,7 @@ class Reconciler:
     ) -> list[Action]:
         phase = _PhaseTimer(self._metrics)
         with transaction(self._factory) as session:
-            nodes, jobs = load_views(session)
+            nodes, jobs = load_views(session, self._specs)
         phase.done("load")
         nodes = [
             replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
@@ -347,20 +430,58 @@ class Reconciler:
         ]
         actions = plan(now, nodes, jobs, node_timeout)
         phase.done("plan")
-        for action in actions:
+        self._apply_all(leadership, actions, now)
+        phase.done("apply")
+        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
+        return actions
+
+    def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:
+        """Apply each action in its own transaction, in order, except the ``ExplainWait``s:
+        those are written last, together, in one (``explain_waiting_jobs``), so that the
+        reasons of a deep queue cost a few statements, not a few per job. A stale action
+        is skipped; once the lease is lost, nothing more is applied. A pass that runs
+        longer than half the lease extends it (``extend``)."""
+        explanations = [a for a in actions if isinstance(a, ExplainWait)]
+        steps: list[Action | list[ExplainWait]] = [
+            a for a in actions if not isinstance(a, ExplainWait)
+        ]
+        if explanations:
+            steps.append(explanations)
+        # Half the lease before it runs out, the next step extends it as it acts.
+        lease_s = self._settings.leader_lease_s
+        for step in steps:
             try:
                 with transaction(self._factory) as session:
-                    hold(session, leadership, self._clock())
-                    self.apply(session, action, now)
+                    at = self._clock()
+                    if at < leadership.expires_at - timedelta(seconds=lease_s / 2):
+                        hold(session, leadership, at)
+                        extended = None
+                    else:
+                        extended = extend(session, leadership, at, lease_s)
+                    if isinstance(step, list):
+                        self._explain(session, step, now)
+                    else:
+                        self.apply(session, step, now)
+                if extended is not None:  # committed
+                    leadership = self._leadership = extended
             except LeaseLost as exc:
                 logger.warning("controller %s stops acting: %s", leadership.holder, exc)
                 self._leadership = None
                 break
             except StaleState as exc:
-                logger.info("skipped %s: %s", action, exc)
-        phase.done("apply")
-        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
-        return actions
+                logger.info("skipped %s: %s", step, exc)
+
+    def _explain(self, session: Session, actions: list[ExplainWait], now: datetime) -> None:
+        reasons = {a.job_id: (a.state, a.reason) for a in actions}
+        written = set(explain_waiting_jobs(session, reasons, now))
+        for action in actions:
+            if action.job_id not in written:
+                logger.info(
+                    "skipped %s: job %s is no longer %s or already says why it waits",
+                    action,
+                    action.job_id,
+                    action.state,
+                )
 
     def _lead(self, now: datetime) -> Leadership | None:
         me = self._settings.controller_id

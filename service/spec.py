@@ -6,6 +6,7 @@ here knows of databases, the API or where the job runs.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal, Self
@@ -249,8 +250,12 @@ class JobSpec(_Strict):
         return parse_nnodes(self.nnodes)[1]
 
 
+@functools.lru_cache(maxsize=256)
 def parse_nnodes(value: str) -> tuple[int, int]:
-    """``"2"`` → (2, 2); ``"1:3"`` → (1, 3). Raises ValueError saying what is wrong."""
+    """``"2"`` → (2, 2); ``"1:3"`` → (1, 3). Raises ValueError saying what is wrong.
+
+    Remembers its last answers: the reconciler asks for every queued job's bounds
+    each pass, and a queue holds few distinct ``nnodes``."""
     parts = value.split(":")
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"nnodes must be 'N' or 'MIN:MAX' with whole numbers, got {value!r}")

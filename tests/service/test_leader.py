@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import datetime
 
 import pytest
 from fastapi.testclient import TestClient
@@ -190,3 +191,22 @@ def test_racing_reconciler_passes_never_place_a_job_twice(
     assert set(per_job) <= set(jobs)
     assert len(members) == 4, "every node should be used once"
     assert errors == []
+
+
+def test_a_leader_whose_pass_outlasts_its_lease_keeps_it(
+    api: TestClient, factory: sessionmaker[Session], settings: ControllerSettings, clock: FakeClock
+) -> None:
+    """Each placement takes 3 s of a 10 s lease: the pass extends the lease as it goes,
+    so it places all five jobs instead of losing the lease at the fourth."""
+    _register(api, *(f"n{i}" for i in range(5)))
+    jobs = [_submit(api) for _ in range(5)]
+
+    def slow_clock() -> datetime:
+        clock.advance(3)
+        return clock()
+
+    leader = Reconciler(factory, _controller(settings, "ctl-a"), slow_clock)
+    assert [type(x) for x in leader.run_once()] == [PlaceJob] * 5
+    assert leader.is_leader
+    assert all(len(_attempts(api, job_id)) == 1 for job_id in jobs)
+    assert api.get("/healthz").json()["leader"] == "ctl-a"
