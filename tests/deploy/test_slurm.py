@@ -15,6 +15,7 @@ from service.client import RelaunchClient
 from service.local_cluster import LocalCluster
 from tests.deploy.slurm import LocalSlurm
 from tests.e2e.helpers import (
+    NODE_TIMEOUT_S,
     POLL_S,
     assert_trained,
     regression,
@@ -45,8 +46,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
 
 @pytest.fixture
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A controller and no agent: Slurm starts them."""
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as c:
+    """A controller and no agent: Slurm starts them. The node timeout is the e2e tests'
+    short one, so that a node Slurm takes back is found lost in seconds, not ten."""
+    env = {"RELAUNCH_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)}
+    with running_cluster(tmp_path_factory.mktemp("cluster"), controller_env=env) as c:
         yield c
 
 

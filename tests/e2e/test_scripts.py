@@ -127,7 +127,7 @@ def test_a_frozen_worker_of_a_plain_script_is_found_by_its_own_step_time(
     """Sub-second steps and the default hang timeout: the timeout is the adaptive floor,
     not the 600 s cap, so the stopped worker is dumped and restarted, and the job ends."""
     job_id = client.submit(
-        script_job("frozen", "torchrun_script.py", "--steps", "300", "--step-delay", "0.05")
+        script_job("frozen", "torchrun_script.py", "--steps", "200", "--step-delay", "0.05")
     )["id"]
     with dumped_on_failure(client, job_id):
         wait_for(

@@ -4,11 +4,13 @@ training, and resuming mid-epoch by sample id at the same and at a new world siz
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import REPO_ROOT, subprocess_environ
 from tests.worker.helpers import assert_same_state, final_state, make_snapshot, train
 from worker.runtime import saver as saver_module
 from worker.runtime.config import TrainerConfig
@@ -186,29 +189,51 @@ def read_seen(out: Path) -> list[tuple[int, int]]:
     return seen  # type: ignore[return-value]
 
 
+SAMPLE_IDS_JOB = REPO_ROOT / "tests" / "worker" / "sample_ids_job.py"
+
+
+def run_sample_ids_job(nproc: int, out: Path, snapshots: Path, *extra: str) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", str(SAMPLE_IDS_JOB), "--out", str(out),
+        "--snapshots", str(snapshots), *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=subprocess_environ(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@dataclass(frozen=True)
+class StoppedRun:
+    """The samples two ranks trained on before they stopped after step 15, and the
+    snapshots they left."""
+
+    seen: list[tuple[int, int]]
+    snapshots: Path
+
+
+@pytest.fixture(scope="module")
+def stopped_after_step_15(tmp_path_factory: pytest.TempPathFactory) -> StoppedRun:
+    """The first half of each resume below is the same run: made once, its snapshots
+    copied for each resume, which adds its own."""
+    root = tmp_path_factory.mktemp("stopped")
+    run_sample_ids_job(2, root / "first", root / "snapshots", "--stop-after-steps", "15")
+    return StoppedRun(read_seen(root / "first"), root / "snapshots")
+
+
 @pytest.mark.parametrize("resume_world", [2, 3])
 def test_resuming_mid_epoch_neither_skips_nor_repeats_a_sample(
-    tmp_path: Path, subprocess_env: dict[str, str], repo_root: Path, resume_world: int
+    tmp_path: Path, stopped_after_step_15: StoppedRun, resume_world: int
 ) -> None:
     """96 samples, batches of 4. Two ranks stop after step 15: 12 steps make epoch 0,
     3 steps (24 samples) of epoch 1 are done. The resumed run, at 2 or 3 ranks, must
     see the other 72 samples of epoch 1 exactly once, then all of epoch 2."""
-    job = str(repo_root / "tests" / "worker" / "sample_ids_job.py")
-    snapshots, first, second = tmp_path / "snapshots", tmp_path / "first", tmp_path / "second"
-
-    def torchrun(nproc: int, out: Path, *extra: str) -> None:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", job, "--out", str(out), "--snapshots", str(snapshots),
-            *extra,
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-    torchrun(2, first, "--stop-after-steps", "15")
-    before = read_seen(first)
+    snapshots, second = tmp_path / "snapshots", tmp_path / "second"
+    shutil.copytree(stopped_after_step_15.snapshots, snapshots)
+    before = stopped_after_step_15.seen
     assert Counter(epoch for epoch, _ in before) == {0: 96, 1: 24}
-    torchrun(resume_world, second)
+    run_sample_ids_job(resume_world, second, snapshots)
     after = read_seen(second)
     assert {epoch for epoch, _ in after} == {1, 2}
     epoch1 = [s for e, s in before if e == 1] + [s for e, s in after if e == 1]
