@@ -37,6 +37,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     process_group_at = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
+    with open(args.steps_file, "a") as f:  # who runs each rank, for the bench to find it
+        f.write(json.dumps({"t": time.time(), "rank": rank, "world": world, "pid": os.getpid()}))
+        f.write("\n")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -113,23 +113,17 @@ class Trial:
             time.sleep(0.1)
         return None
 
-    def workers(self) -> list[psutil.Process]:
-        marker = str(self.steps_file)
-        found = []
-        for proc in psutil.process_iter(["cmdline"]):
-            cmd = proc.info["cmdline"] or []
-            if marker in cmd and not any("torch.distributed.run" in c for c in cmd):
-                with suppress(psutil.Error):
-                    if "RANK" in proc.environ() and "worker.launch" not in " ".join(cmd):
-                        found.append(proc)
-        return found
-
     def worker_of_rank(self, rank: int) -> psutil.Process:
-        for proc in self.workers():
-            with suppress(psutil.Error):
-                if proc.environ().get("RANK") == str(rank):
-                    return proc
-        raise RuntimeError(f"no worker with rank {rank}")
+        """The live process of ``rank``, as the probe wrote it when it joined (a worker
+        forked from a zygote shows neither the probe's command line nor its rank in
+        /proc)."""
+        for line in reversed(self.lines()):
+            if line.get("rank") == rank:
+                with suppress(psutil.Error):
+                    proc = psutil.Process(int(line["pid"]))
+                    if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                        return proc
+        raise RuntimeError(f"no live worker with rank {rank}")
 
     def node_of(self, worker: psutil.Process) -> str:
         ancestors = {p.pid for p in worker.parents()}
@@ -214,15 +208,18 @@ class RawTorchrun:
 
 
 class Relaunch:
-    """Nodes are relaunch agents; the job is the same probe script, submitted over REST."""
+    """Nodes are relaunch agents; the job is the same probe script, submitted over REST.
+    ``warm``: the agents' default, workers forked from a warm zygote; otherwise every
+    worker starts as a new interpreter, as before warm starts."""
 
-    name = "relaunch"
-
-    def __init__(self, work: Path) -> None:
-        self.cluster = LocalCluster(data_dir=work / "relaunch", port=free_port())
+    def __init__(self, work: Path, warm: bool = True) -> None:
+        self.name = "relaunch" if warm else COLD
+        self.agent_env = {} if warm else {"RELAUNCH_AGENT_WARM_WORKERS": "false"}
+        slug = "relaunch" if warm else "relaunch-cold"
+        self.cluster = LocalCluster(data_dir=work / slug, port=free_port())
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
         # As root each job runs as a user of its own: its probe writes here, as in /tmp.
-        self.probes = work / "relaunch-probes"
+        self.probes = work / f"{slug}-probes"
         self.probes.mkdir()
         self.probes.chmod(0o1777)
         self.cluster.start_controller()
@@ -246,7 +243,7 @@ class Relaunch:
 
         def start_node(name: str) -> None:
             agent = f"t{index}-{name}"
-            self.cluster.start_agent(agent)
+            self.cluster.start_agent(agent, extra_env=self.agent_env)
             trial.nodes[agent] = self.cluster.procs[agent].pid
 
         start_node("a")
@@ -377,13 +374,13 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
     work.chmod(0o711)  # jobs run as users of their own and must pass through it
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    raw, relaunch = RawTorchrun(work), Relaunch(work)
+    raw, relaunch, cold = RawTorchrun(work), Relaunch(work), Relaunch(work, warm=False)
     trials: list[TrialResult] = []
     index = 0
     try:
         for scenario in scenarios:
             for rep in range(args.repeats):
-                for system in (raw, relaunch):
+                for system in (raw, cold, relaunch):
                     index += 1
                     seconds, rate, recovery = run_trial(
                         system, scenario, index, args.timeout, args.window
@@ -395,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
                     console.print(f"{scenario} #{rep + 1} {system.name}: {shown}")
     finally:
         relaunch.close()
+        cold.close()
     results: dict[tuple[str, str], list[float | None]] = {}
     for trial in trials:
         results.setdefault((trial.scenario, trial.system), []).append(trial.recovery_s)
@@ -407,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"logs in {work}")
 
 
-SYSTEMS = ("raw torchrun", "relaunch")
+COLD = "relaunch, cold start"
+SYSTEMS = ("raw torchrun", COLD, "relaunch")
 PHASE_NAMES = [name for name, _ in anatomy.PHASES]
 
 
@@ -517,15 +516,11 @@ def print_throughput(trials: list[TrialResult], window: float) -> None:
         title=f"training throughput, steps/s over {window:.0f} s of undisturbed training at "
         "world size 2 (median of every trial)"
     )
-    for col in ("raw torchrun", "relaunch", "relaunch / raw torchrun"):
+    columns = (*SYSTEMS, "relaunch / raw torchrun")
+    for col in columns:
         table.add_column(col)
     rates = _throughput(trials)
-    table.add_row(
-        *(
-            "-" if rates[k] is None else f"{rates[k]:.2f}"
-            for k in ("raw torchrun", "relaunch", "relaunch / raw torchrun")
-        )
-    )
+    table.add_row(*("-" if rates[k] is None else f"{rates[k]:.2f}" for k in columns))
     console.print(table)
 
 
@@ -551,22 +546,26 @@ def print_table(
         title=f"seconds from fault to first step at the new world size "
         f"(median of {repeats}; 'never' = not within {timeout:.0f} s)"
     )
-    for col in ("scenario", "fault", "raw torchrun", "relaunch", "raw / relaunch"):
+    for col in ("scenario", "fault", *SYSTEMS, "raw / relaunch", "cold / warm"):
         table.add_column(col)
     for scenario in scenarios:
-        raw = _median(results.get((scenario, "raw torchrun"), []))
-        rl = _median(results.get((scenario, "relaunch"), []))
-        ratio = "-"
-        if rl is not None:
-            ratio = "∞" if raw is None else f"{raw / rl:.1f}x"
+        values = {system: results.get((scenario, system), []) for system in SYSTEMS}
+        medians = {system: _median(found) for system, found in values.items()}
+        raw, cold, rl = (medians[system] for system in SYSTEMS)
         table.add_row(
             scenario,
             SCENARIOS[scenario][0],
-            _cell(raw, results.get((scenario, "raw torchrun"), [])),
-            _cell(rl, results.get((scenario, "relaunch"), [])),
-            ratio,
+            *(_cell(medians[system], values[system]) for system in SYSTEMS),
+            _ratio(raw, rl),
+            _ratio(cold, rl),
         )
     console.print(table)
+
+
+def _ratio(slower: float | None, faster: float | None) -> str:
+    if faster is None:
+        return "-"
+    return "∞" if slower is None else f"{slower / faster:.1f}x"
 
 
 def _cell(median: float | None, values: list[float | None]) -> str:

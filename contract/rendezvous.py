@@ -55,6 +55,9 @@ class RendezvousState(BaseModel):
     state: Base64 | None = None
     version: int = 0
     written: bool = False
+    # The attempt's ACTIVE members, as the controller counts them: a round that all of
+    # them have joined has no one else to wait for (None from an older controller).
+    members: int | None = None
 
 
 class SetRendezvousState(BaseModel):

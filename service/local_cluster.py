@@ -183,9 +183,14 @@ class LocalCluster:
                     time.sleep(0.2)
 
     def start_agent(
-        self, name: str, address: str | None = None, prefix: list[str] | None = None
+        self,
+        name: str,
+        address: str | None = None,
+        prefix: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
-        """Start node agent ``name``; ``prefix`` wraps its command (``ip netns exec NS``)."""
+        """Start node agent ``name``; ``prefix`` wraps its command (``ip netns exec NS``);
+        ``extra_env`` adds settings (``RELAUNCH_AGENT_*``)."""
         self._open_to_jobs()
         work = self.agent_dir(name)
         work.mkdir(parents=True, exist_ok=True)
@@ -195,6 +200,7 @@ class LocalCluster:
         env = {
             "RELAUNCH_AGENT_ENROLMENT_TOKEN": self.enrolment_token,
             "RELAUNCH_AGENT_ISOLATION": self.isolation,
+            **(extra_env or {}),
         }
         self.spawn(name, args, env, prefix)
 

@@ -94,6 +94,14 @@ def member_attempt(
     return int(attempt_id)
 
 
+def member_count(session: Session, attempt_id: int) -> int:
+    """The attempt's ACTIVE members: the nodes its rendezvous rounds are for."""
+    stmt = select(func.count()).where(
+        AttemptMember.attempt_id == attempt_id, AttemptMember.state == MemberState.ACTIVE
+    )
+    return int(session.scalar(stmt) or 0)
+
+
 def get_state(session: Session, attempt_id: int) -> tuple[bytes, int] | None:
     row = session.get(RendezvousState, attempt_id, populate_existing=True)
     return None if row is None else (row.state, row.version)

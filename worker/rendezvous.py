@@ -171,6 +171,7 @@ class ControllerBackend(RendezvousBackend):
     def __init__(self, api: ControllerRendezvous) -> None:
         self._api = api
         self._seen: int | None = None
+        self.members: int | None = None  # the attempt's active members, as last told
 
     @property
     def name(self) -> str:
@@ -209,6 +210,8 @@ class ControllerBackend(RendezvousBackend):
         except (RendezvousRefused, RendezvousUnreachable) as exc:
             raise RendezvousConnectionError(str(exc)) from exc
         self._seen = reply.version
+        if reply.members is not None:
+            self.members = reply.members
         return reply
 
     @staticmethod
@@ -237,8 +240,33 @@ def _sync_delay(original: Callable[..., None], seconds: Any) -> None:
             holder._last_sync_time = -1  # the cached state is stale: read it at once
 
 
+def _complete_when_all_members_joined(executor: Any, original: Callable[[Any], None]) -> None:
+    original(executor)
+    state = getattr(executor, "_state", None)
+    settings = getattr(executor, "_settings", None)
+    backend = getattr(getattr(executor, "_state_holder", None), "_backend", None)
+    if state is None or settings is None or not isinstance(backend, ControllerBackend):
+        return
+    members = backend.members
+    joined = len(state.participants)
+    if (
+        not state.complete
+        and members is not None
+        and joined >= max(members, settings.min_nodes)
+        and joined < settings.max_nodes  # at MAX torch has completed the round itself
+    ):
+        logger.info(
+            "rendezvous %s: all %d members of the attempt have joined; not waiting for "
+            "the last call",
+            settings.run_id,
+            joined,
+        )
+        executor._mark_rendezvous_complete()
+
+
 def install_sync_wait() -> None:
-    """Replace the SYNC poll of torch's dynamic rendezvous in this process (once).
+    """Replace the SYNC poll of torch's dynamic rendezvous in this process, and complete
+    a round once the attempt's every member has joined (once per process).
 
     Seam (torch 2.11 to 2.13, ``rendezvous/dynamic_rendezvous.py``):
     ``_DistributedRendezvousOpExecutor.run`` calls the module's ``_delay(seconds=1)``
@@ -254,6 +282,13 @@ def install_sync_wait() -> None:
     replacement = functools.partial(_sync_delay, current)
     replacement._relaunch_sync_wait = True  # type: ignore[attr-defined]
     dynamic_rendezvous._delay = replacement
+    # ``_add_to_participants`` adds this node to the round and, below MAX, starts the
+    # last call; the round is complete at once when every member has joined.
+    executor = dynamic_rendezvous._DistributedRendezvousOpExecutor
+    add = executor._add_to_participants
+    executor._add_to_participants = functools.partialmethod(  # type: ignore[assignment]
+        _complete_when_all_members_joined, add
+    )
 
 
 class ControllerStore(dist.Store):

@@ -16,7 +16,8 @@ when the zygote cannot give a sound one: it is not ready within ``READY_WAIT_S``
 or gave up, the worker's command is not the bootstrap's, or the worker's
 environment differs from the zygote's in a variable that only takes effect when
 an interpreter starts (anything outside ``PER_WORKER_*``). A zygote that dies is
-replaced, up to ``MAX_LOSSES`` times per launcher.
+replaced, up to ``MAX_LOSSES`` times per launcher; one that dies before it is ready
+(its imports failed: another would fail alike) is not.
 
 The launcher trusts nothing the zygote says, since the job's code may have run
 in it (a planted module, ``LD_PRELOAD``). The zygote sends a pidfd of each child;
@@ -467,6 +468,11 @@ class WarmStarter:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 zygote._proc.wait(5)
             what = f"the zygote (pid {zygote._proc.pid}) is gone (exit {zygote._proc.poll()})"
+            if zygote.pid is None:  # it never got ready: another would fail the same way
+                self.given_up = f"{what} before it was ready (its stderr is in the logs)"
+                self.zygote = None
+                self._on_event("unavailable", self.given_up, zygote)
+                return
             if self._losses > MAX_LOSSES:
                 self.given_up = f"{what}, {self._losses} times: workers start cold from now"
                 self.zygote = None

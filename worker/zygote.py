@@ -101,6 +101,39 @@ def fork_refusal() -> str | None:
     return None
 
 
+def _module_names(directory: str) -> set[str]:
+    """The top-level modules that files in ``directory`` would provide."""
+    names = set()
+    for entry in os.listdir(directory):
+        stem = entry.split(".", 1)[0]
+        if entry.endswith((".py", ".pyc", ".so")) or os.path.isdir(os.path.join(directory, entry)):
+            names.add(stem)
+    return names
+
+
+def shadow_refusal(request: Request) -> str | None:
+    """Why the script's own directory would give this worker another module than the one
+    the zygote imported; None if it would not.
+
+    A worker started cold puts the script's directory first on ``sys.path`` before
+    anything but Python's own start-up is imported, so a ``random.py`` or a
+    ``numpy/`` beside the script is what it imports; a fork has those already."""
+    args = request.argv[len(BOOTSTRAP) :]
+    if not args or args[0] == "-m":
+        return None  # sys.path[0] is the working directory, as it is in the zygote
+    directory = os.path.dirname(os.path.abspath(os.path.join(request.cwd, args[0])))
+    try:
+        names = _module_names(directory)
+    except OSError:
+        return None  # not listable: what the worker imports cannot be told, nor changed
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        origin = getattr(module, "__file__", None) or ""
+        if module is not None and not origin.startswith(directory + os.sep):
+            return f"the script's directory holds {name!r}, which the zygote took from elsewhere"
+    return None
+
+
 def _fork() -> tuple[int, str | None]:
     """Fork; in the parent, ``(pid, None)`` if no thread but the forking one existed
     at the fork, else ``(pid, why)`` with the child already ended. The child goes
@@ -229,7 +262,7 @@ def serve(sock: socket.socket) -> Request:
                     os.close(fd)
                 _send(sock, {"refused": -1, "reason": f"bad request: {exc}"})
                 continue
-            refusal = fork_refusal()
+            refusal = fork_refusal() or shadow_refusal(request)
             if refusal is not None:
                 for fd in fds:
                     os.close(fd)

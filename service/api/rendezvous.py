@@ -119,20 +119,23 @@ async def get_state(
     write. With ``changed_from``, waits (at most ``wait_s``, at most ``MAX_WAIT_S``) for
     another version: a launcher that waits for the others learns at once that they came."""
 
-    def read() -> tuple[bytes, int] | None:
+    def read() -> tuple[tuple[bytes, int] | None, int]:
         with transaction(factory) as session:
-            return rendezvous.get_state(session, caller.attempt(session, rdzv_id))
+            attempt_id = caller.attempt(session, rdzv_id)
+            return rendezvous.get_state(session, attempt_id), rendezvous.member_count(
+                session, attempt_id
+            )
 
     deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
     while True:
-        found = await run_in_threadpool(read)
+        found, members = await run_in_threadpool(read)
         version = 0 if found is None else found[1]
         if changed_from is None or version != changed_from or time.monotonic() >= deadline:
             break
         await asyncio.sleep(POLL_S)
     if found is None:
-        return RendezvousState()
-    return RendezvousState(state=encode(found[0]), version=found[1])
+        return RendezvousState(members=members)
+    return RendezvousState(state=encode(found[0]), version=found[1], members=members)
 
 
 @router.post("/{rdzv_id}/state", response_model=RendezvousState)
@@ -142,13 +145,17 @@ def set_state(
     """Write the state if ``version`` is the stored one (compare-and-set); answer with
     the state stored now, and whether this call wrote it."""
     blob = decode(body.state)
-    reply = _write(
-        factory, rdzv_id, caller, lambda s, a: rendezvous.set_state(s, a, blob, body.version)
-    )
+
+    def write(session: Session, attempt_id: int) -> tuple[rendezvous.StateReply, int]:
+        reply = rendezvous.set_state(session, attempt_id, blob, body.version)
+        return reply, rendezvous.member_count(session, attempt_id)
+
+    reply, members = _write(factory, rdzv_id, caller, write)
     return RendezvousState(
         state=None if reply.state is None else encode(reply.state),
         version=reply.version,
         written=reply.written,
+        members=members,
     )
 
 

@@ -130,6 +130,40 @@ def test_cancel_ends_every_process_of_the_job(
     assert client.cancel(job_id)["state"] == "CANCELLED"
 
 
+def test_a_worker_its_zygote_cannot_serve_starts_cold_and_the_timeline_says_why(
+    cluster: LocalCluster, client: RelaunchClient
+) -> None:
+    # The job's PYTHONPATH shadows numpy with a package that is not there to import: torch
+    # goes on without numpy, the job's script needs none, but the zygote imports it.
+    planted = cluster.snapshots / "planted-path"
+    (planted / "numpy").mkdir(parents=True, exist_ok=True)
+    (planted / "numpy" / "__init__.py").write_text("raise ModuleNotFoundError('planted numpy')\n")
+    for path in (planted, planted / "numpy"):
+        path.chmod(0o755)
+    (planted / "numpy" / "__init__.py").chmod(0o644)
+    job_id = client.submit(
+        {
+            "name": "cold",
+            "script": {
+                "path": str(REPO / "examples" / "torchrun_script.py"),
+                "args": ["--out", "result.json"],
+            },
+            "nnodes": "2:2",
+            "env": {"PYTHONPATH": str(planted)},
+        }
+    )["id"]
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    events = client.events(job_id)
+    zygotes = [e for e in events if e["kind"] == "zygote"]
+    assert [e["data"]["state"] for e in zygotes] == ["unavailable"] * 2, zygotes
+    assert all("before it was ready" in e["message"] for e in zygotes), zygotes
+    cold = [e for e in events if e["kind"] == "cold_start"]
+    assert len(cold) == 2 and all("before it was ready" in e["message"] for e in cold), cold
+    lines = [e["line"] for e in client.logs(job_id)]
+    assert any("planted numpy" in line for line in lines), lines[-30:]
+
+
 def test_a_torchrun_script_runs_unchanged_as_a_job(
     cluster: LocalCluster, client: RelaunchClient, tmp_path: Path
 ) -> None:

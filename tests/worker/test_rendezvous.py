@@ -77,24 +77,22 @@ def test_a_node_of_another_job_is_refused(live_controller: LiveController) -> No
         ControllerStore(api).set("k", b"v")
 
 
-def test_two_launchers_rendezvous_through_the_controller(
-    live_controller: LiveController, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    rdzv_id, tokens = placed(live_controller, ["a", "b"], "2")
+def _rendezvous_of(
+    live_controller: LiveController, tokens: list[str], rdzv_id: str, **limits: int
+) -> dict[int, tuple[int, int, str]]:
+    """Each node's (rank, world size, master address) after one rendezvous of all of them,
+    each launcher calling with its own node's token."""
     results: dict[int, tuple[int, int, str]] = {}
     errors: list[BaseException] = []
     handlers = []
-    for token in tokens:  # each launcher calls with its own node's token
+    for token in tokens:
         params = RendezvousParameters(
             backend="relaunch",
             endpoint=live_controller.url,
             run_id=rdzv_id,
-            min_nodes=2,
-            max_nodes=2,
             local_addr="127.0.0.1",
-            last_call_timeout=1,
             join_timeout=60,
+            **limits,
         )
         handlers.append(handler_for(params, token))
 
@@ -114,9 +112,38 @@ def test_two_launchers_rendezvous_through_the_controller(
     for handler in handlers:  # only now: a shutdown closes the rendezvous for every node
         handler.shutdown()
     assert errors == []
+    return results
+
+
+def test_two_launchers_rendezvous_through_the_controller(
+    live_controller: LiveController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    rdzv_id, tokens = placed(live_controller, ["a", "b"], "2")
+    results = _rendezvous_of(
+        live_controller, tokens, rdzv_id, min_nodes=2, max_nodes=2, last_call_timeout=1
+    )
     assert sorted(r[0] for r in results.values()) == [0, 1]
     assert {r[1] for r in results.values()} == {2}
     assert {r[2] for r in results.values()} == {"127.0.0.1"}
+
+
+def test_a_round_that_every_member_joined_does_not_wait_for_the_last_call(
+    live_controller: LiveController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two members of a job that may grow to three: torch alone would wait the whole last
+    # call (an hour here) for a third node; the controller says there are two.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    rdzv_id, tokens = placed(live_controller, ["a", "b"], "1:3")
+    api = ControllerRendezvous(live_controller.url, rdzv_id, tokens[0])
+    backend = ControllerBackend(api)
+    backend.get_state()
+    assert backend.members == 2
+    results = _rendezvous_of(
+        live_controller, tokens, rdzv_id, min_nodes=1, max_nodes=3, last_call_timeout=3600
+    )
+    assert sorted(r[0] for r in results.values()) == [0, 1]
+    assert {r[1] for r in results.values()} == {2}
 
 
 def test_the_launcher_removes_the_token_file_once_read(tmp_path: Path) -> None:

@@ -72,6 +72,9 @@ def _drive(scenario: str, work: Path, uid: int | None = None) -> dict[str, Any]:
     (work / "sub" / "helper.py").write_text("VALUE = 'beside the script'\n")
     (work / "sleeper.py").write_text(_SLEEPER)
     (work / "quick.py").write_text("print('quick')\n")
+    (work / "shadow").mkdir(exist_ok=True)  # a script beside its own random.py
+    (work / "shadow" / "main.py").write_text("import random\n")
+    (work / "shadow" / "random.py").write_text("VALUE = 1\n")
     work.chmod(0o777)
     for path in work.rglob("*"):
         path.chmod(0o777 if path.is_dir() else 0o666)
@@ -148,9 +151,11 @@ def test_a_zygote_that_dies_is_replaced_and_its_workers_exit_status_is_kept(
 
 def test_a_worker_that_cannot_be_forked_is_refused_with_the_reason(tmp_path: Path) -> None:
     result = _drive("refused", tmp_path, JOB_UID)
-    assert len(result["reasons"]) == 2, result
+    assert len(result["reasons"]) == 3, result
     assert "not relaunch's bootstrap" in result["reasons"][0]
     assert "LD_PRELOAD" in result["reasons"][1]
+    # A cold start would import the random.py beside the script; a fork has the stdlib's.
+    assert "'random'" in result["reasons"][2]
 
 
 def test_what_may_differ_between_a_worker_and_its_zygote() -> None:

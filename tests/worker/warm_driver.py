@@ -163,6 +163,7 @@ def refused(work: Path, uid: int | None) -> dict[str, Any]:
     for args, env in (
         ([sys.executable, "-u", str(work / "quick.py")], dict(os.environ)),
         ([*BOOTSTRAP, str(work / "quick.py")], {**os.environ, "LD_PRELOAD": "libc.so.6"}),
+        ([*BOOTSTRAP, str(work / "shadow" / "main.py")], dict(os.environ)),
     ):
         try:
             starter.fork(args, env, out, err)
