@@ -60,6 +60,7 @@ class Trial:
     snapshot: Path
     nodes: dict[str, int] = field(default_factory=dict)  # node name -> agent pid
     job_id: int | None = None  # relaunch's job
+    started_at: float | None = None  # when the job was submitted (raw: its first agent started)
 
     def probe_args(self) -> list[str]:
         return [str(PROBE), "--steps-file", str(self.steps_file), "--snapshot", str(self.snapshot)]
@@ -194,6 +195,7 @@ class RawTorchrun:
             trial.nodes[name] = proc.pid
 
         try:
+            trial.started_at = time.time()
             start_node("a")
             time.sleep(1.0)  # the first agent hosts the store, as in torchrun's docs
             start_node("b")
@@ -249,6 +251,7 @@ class Relaunch:
         start_node("a")
         start_node("b")
         self.cluster.wait_nodes(2)
+        trial.started_at = time.time()
         job = self.client.submit(
             {
                 "name": f"bench-{index}",
@@ -294,6 +297,7 @@ class TrialResult:
     recovery_s: float | None  # None: not within the timeout
     steps_per_s: float | None  # before the fault, at world size 2
     recovery: anatomy.Recovery
+    start_s: float | None = None  # from submitting (starting the agents) to the first step
 
 
 def run_trial(
@@ -302,12 +306,15 @@ def run_trial(
     index: int,
     timeout_s: float,
     window_s: float,
-) -> tuple[float | None, float | None, anatomy.Recovery]:
-    """(seconds to recover, steps/s before the fault, the recovery's phases)."""
+) -> tuple[float | None, float | None, anatomy.Recovery, float | None]:
+    """(seconds to recover, steps/s before the fault, the recovery's phases, seconds from
+    submitting the job to its first step at world size 2)."""
     _, expected = SCENARIOS[scenario]
     with system.trial(index) as (trial, start_node):
-        if trial.first_step(0.0, 2, timeout_s=120) is None:
+        first = trial.first_step(0.0, 2, timeout_s=120)
+        if first is None:
             raise RuntimeError(f"{system.name}: the job never trained at world size 2")
+        started = None if trial.started_at is None else first - trial.started_at
         time.sleep(1.0)
         window_start = time.time()
         time.sleep(window_s)
@@ -324,7 +331,7 @@ def run_trial(
             start_node("c")
         seconds = trial.first_step(fault_at, expected, timeout_s)
         recovery = system.recovery(trial, fault_at, expected)
-        return seconds, steps_per_s, recovery
+        return seconds, steps_per_s, recovery, started
 
 
 def probe_recovery(
@@ -382,11 +389,13 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.repeats):
                 for system in (raw, cold, relaunch):
                     index += 1
-                    seconds, rate, recovery = run_trial(
+                    seconds, rate, recovery, started = run_trial(
                         system, scenario, index, args.timeout, args.window
                     )
                     trials.append(
-                        TrialResult(scenario, system.name, rep + 1, seconds, rate, recovery)
+                        TrialResult(
+                            scenario, system.name, rep + 1, seconds, rate, recovery, started
+                        )
                     )
                     shown = "never" if seconds is None else f"{seconds:.1f} s"
                     console.print(f"{scenario} #{rep + 1} {system.name}: {shown}")
@@ -399,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(results, scenarios, args.repeats, args.timeout)
     print_phases(trials, scenarios, args.repeats)
     print_throughput(trials, args.window)
+    print_start(trials)
     if args.json is not None:
         args.json.write_text(json.dumps(figures(trials, args), indent=2) + "\n")
         console.print(f"figures in {args.json}")
@@ -480,12 +490,14 @@ def figures(trials: list[TrialResult], args: argparse.Namespace) -> dict[str, An
                 "repeat": t.repeat,
                 "recovery_s": t.recovery_s,
                 "steps_per_s": t.steps_per_s,
+                "start_s": t.start_s,
                 "recovery": recovery_data(t.recovery),
             }
             for t in trials
         ],
         "medians": medians,
         "throughput_steps_per_s": _throughput(trials),
+        "start_s": _starts(trials),
     }
 
 
@@ -521,6 +533,26 @@ def print_throughput(trials: list[TrialResult], window: float) -> None:
         table.add_column(col)
     rates = _throughput(trials)
     table.add_row(*("-" if rates[k] is None else f"{rates[k]:.2f}" for k in columns))
+    console.print(table)
+
+
+def _starts(trials: list[TrialResult]) -> dict[str, float | None]:
+    medians: dict[str, float | None] = {}
+    for system in SYSTEMS:
+        starts = [t.start_s for t in trials if t.system == system and t.start_s is not None]
+        medians[system] = statistics.median(starts) if starts else None
+    return medians
+
+
+def print_start(trials: list[TrialResult]) -> None:
+    table = Table(
+        title="seconds from submitting the job (raw torchrun: starting its first agent) to its "
+        "first step at world size 2, on idle nodes (median of every trial)"
+    )
+    for col in SYSTEMS:
+        table.add_column(col)
+    starts = _starts(trials)
+    table.add_row(*("-" if starts[k] is None else f"{starts[k]:.1f}" for k in SYSTEMS))
     console.print(table)
 
 
