@@ -14,7 +14,7 @@ from service import auth
 from service.attempts import assignment_for, drop_member, end_member
 from service.errors import Conflict, NotFound, StaleState
 from service.fence import issue_worker_token
-from service.models import Attempt, AttemptMember, Node
+from service.models import Attempt, AttemptMember, JobEvent, Node
 from service.secrets import Keyring
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
@@ -174,6 +174,31 @@ def list_nodes(
     for node_id, attempt in session.execute(stmt).all():
         serving[node_id] = attempt
     return [(node, serving.get(node.id)) for node in nodes], total
+
+
+def zygote_memory(session: Session, serving: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """For each (node id, attempt id): the memory of the warm zygote the node runs for the
+    attempt, as its last ``zygote`` event said when it was ready; absent when that event
+    says it is gone or there is none."""
+    if not serving:
+        return {}
+    attempts = {attempt_id for _, attempt_id in serving}
+    stmt = (
+        select(JobEvent.node_id, JobEvent.attempt_id, JobEvent.data)
+        .where(JobEvent.kind == "zygote", JobEvent.attempt_id.in_(attempts))
+        .order_by(JobEvent.id)
+    )
+    latest: dict[tuple[int, int], dict[str, object]] = {}
+    for node_id, attempt_id, data in session.execute(stmt).all():
+        if node_id is not None and attempt_id is not None:
+            latest[(node_id, attempt_id)] = data or {}
+    found = {}
+    for key in serving:
+        data = latest.get(key, {})
+        rss = data.get("rss_bytes")
+        if data.get("state") == "ready" and isinstance(rss, int):
+            found[key] = rss
+    return found
 
 
 def leave(session: Session, node_id: int, reason: str, now: datetime) -> bool:

@@ -186,6 +186,10 @@ class NodePublic(BaseModel):
         default=None, description="The attempt it serves, if the job is the caller's"
     )
     job_id: int | None = Field(default=None, description="The job it serves, if the caller's")
+    zygote_rss_bytes: int | None = Field(
+        default=None,
+        description="Memory of the warm zygote it runs for that attempt (when it was ready)",
+    )
 
 
 class NodesPublic(BaseModel):

@@ -107,6 +107,9 @@ def list_nodes(
 ) -> NodesPublic:
     """Every node; the job a node serves is shown only to that job's owner and to admins."""
     page, total = nodes.list_nodes(session, limit, offset)
+    zygotes = nodes.zygote_memory(
+        session, [(node.id, attempt.id) for node, attempt in page if attempt is not None]
+    )
     items = []
     for node, attempt in page:
         mine = attempt is not None and (user.role is Role.ADMIN or attempt.job.owner_id == user.id)
@@ -122,6 +125,7 @@ def list_nodes(
                 busy=attempt is not None,
                 attempt_id=attempt.id if attempt and mine else None,
                 job_id=attempt.job_id if attempt and mine else None,
+                zygote_rss_bytes=None if attempt is None else zygotes.get((node.id, attempt.id)),
             )
         )
     return NodesPublic(items=items, total=total, limit=limit, offset=offset)

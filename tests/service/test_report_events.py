@@ -57,3 +57,35 @@ def test_a_report_with_an_invalid_event_is_refused_whole(
     assert where in r.text
     assert api.get(f"/api/v1/jobs/{job_id}/logs").json()["items"] == []
     assert api.get(f"/api/v1/jobs/{job_id}").json()["last_step"] is None
+
+
+def test_the_zygote_a_node_runs_shows_on_the_timeline_and_its_memory_in_the_nodes(
+    api: Cluster, placed: tuple[int, int, int]
+) -> None:
+    node_id, job_id, attempt_id = placed
+
+    def report(*events: dict[str, Any]) -> None:
+        body = {"attempt_id": attempt_id, "events": list(events)}
+        r = api.post(f"/api/v1/nodes/{node_id}/reports", json=body)
+        assert r.status_code == 200, r.text
+
+    def memory() -> int | None:
+        [node] = api.get("/api/v1/nodes").json()["items"]
+        value: int | None = node["zygote_rss_bytes"]
+        return value
+
+    assert memory() is None
+    ready = {"state": "ready", "pid": 77, "import_s": 2.5, "rss_bytes": 300 * 2**20}
+    report({"time": TIME, "kind": "zygote", "data": ready})
+    assert memory() == 300 * 2**20
+    cold = {"local_rank": 0, "reason": "the zygote is gone"}
+    lost = {"state": "lost", "pid": 77, "message": "the zygote (pid 77) is gone"}
+    report(
+        {"time": TIME, "kind": "zygote", "data": lost},
+        {"time": TIME, "kind": "cold_start", "data": cold},
+    )
+    assert memory() is None
+    listed = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+    events = {e["kind"]: e["message"] for e in listed}
+    assert "warm zygote lost: the zygote (pid 77) is gone" in events["zygote"]
+    assert "local rank 0 started cold: the zygote is gone" in events["cold_start"]
