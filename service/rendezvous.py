@@ -102,6 +102,12 @@ def member_count(session: Session, attempt_id: int) -> int:
     return int(session.scalar(stmt) or 0)
 
 
+def state_version(session: Session, attempt_id: int) -> int:
+    """The version of the attempt's rendezvous state; 0 before the first write."""
+    stmt = select(RendezvousState.version).where(RendezvousState.attempt_id == attempt_id)
+    return int(session.scalar(stmt) or 0)
+
+
 def get_state(session: Session, attempt_id: int) -> tuple[bytes, int] | None:
     row = session.get(RendezvousState, attempt_id, populate_existing=True)
     return None if row is None else (row.state, row.version)

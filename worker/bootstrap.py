@@ -23,7 +23,9 @@ bootstrap adds four things around it:
   (``PEER_LOST_MARKERS``): once the error is recorded, the traceback printed and
   the ``atexit`` handlers run, the process exits at once (status 1), skipping the
   interpreter's last garbage collection, in which the broken process group's
-  queued work holds the exit for a second or more. NCCL's async error handling
+  queued work holds the exit for a second or more. Non-daemon threads are not
+  waited for (one may be stuck in the broken collective), and a file the script
+  left open and unflushed loses what it buffered. NCCL's async error handling
   ends such a process as abruptly; the peers' restart waits for this one.
 """
 

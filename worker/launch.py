@@ -57,7 +57,7 @@ from contract.events import (
 )
 from contract.labels import label_from_environ
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
-from worker import procs
+from worker import procs, warm
 from worker.bootstrap import PEER_LOST_MARKERS, STACK_DUMP_SIGNAL
 from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
@@ -280,7 +280,13 @@ class WarmEvents:
 
 
 def _signal(pid: int | None, sig: int) -> None:
+    """Signal a worker: a forked one through its pidfd (its zygote, not this launcher,
+    decides when its pid is freed), a cold one (this launcher's child) by pid."""
     if pid is None:
+        return
+    forked = warm.forked(pid)
+    if forked is not None:
+        forked.send_signal(sig)
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)

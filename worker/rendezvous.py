@@ -29,7 +29,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,6 +71,7 @@ from contract.rendezvous import (
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "relaunch"
+MIN_SYNC_S = 0.2  # the least time between two rendezvous syncs of a waiting launcher
 RETRY_S = 60.0  # how long an unanswered call is retried before it fails (a controller restart)
 HTTP_TIMEOUT_S = MAX_WAIT_S + 10.0
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
@@ -172,6 +173,7 @@ class ControllerBackend(RendezvousBackend):
         self._api = api
         self._seen: int | None = None
         self.members: int | None = None  # the attempt's active members, as last told
+        self._woke = 0.0  # when wait_for_change last returned
 
     @property
     def name(self) -> str:
@@ -188,8 +190,14 @@ class ControllerBackend(RendezvousBackend):
         return None if found is None else (*found, reply.written)
 
     def wait_for_change(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the stored state to change; whether it did."""
+        """Wait up to ``timeout_s`` for the stored state to change; whether it did.
+
+        At most one early wake per ``MIN_SYNC_S``: every other node's keep-alive moves
+        the version too, and a large rendezvous must not turn into a storm of syncs."""
         started = time.monotonic()
+        rest = MIN_SYNC_S - (started - self._woke)
+        if rest > 0:
+            time.sleep(rest)
         seen = self._seen
         changed = False
         if seen is not None:
@@ -202,6 +210,7 @@ class ControllerBackend(RendezvousBackend):
         left = timeout_s - (time.monotonic() - started)
         if not changed and left > 0:
             time.sleep(left)  # never poll faster than torch would
+        self._woke = time.monotonic()
         return changed
 
     def _call(self, method: str, body: BaseModel | None) -> RendezvousState:
@@ -240,6 +249,10 @@ def _sync_delay(original: Callable[..., None], seconds: Any) -> None:
             holder._last_sync_time = -1  # the cached state is stale: read it at once
 
 
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 def _complete_when_all_members_joined(executor: Any, original: Callable[[Any], None]) -> None:
     original(executor)
     state = getattr(executor, "_state", None)
@@ -248,7 +261,12 @@ def _complete_when_all_members_joined(executor: Any, original: Callable[[Any], N
     if state is None or settings is None or not isinstance(backend, ControllerBackend):
         return
     members = backend.members
-    joined = len(state.participants)
+    # Only participants that still beat: one that joined and died since is not counted.
+    fresh_after = datetime.now(UTC) - 2 * settings.keep_alive_interval
+    beats = getattr(state, "last_heartbeats", {})
+    joined = sum(
+        1 for node in state.participants if node in beats and _aware(beats[node]) >= fresh_after
+    )
     if (
         not state.complete
         and members is not None

@@ -366,7 +366,6 @@ def enter(sandbox: WorkerSandbox, warm: WarmHooks | None = None) -> str | None:
         installed = _Installed(sandbox, dict(overlay))
         starter = warm_starts.WarmStarter(
             env=_prepare(installed, dict(os.environ)),
-            cwd=os.getcwd(),
             uid=None if sandbox.user is None else sandbox.user.uid,
             popen_kwargs=sandbox.popen_kwargs(),
             on_event=warm.on_zygote,

@@ -21,10 +21,13 @@ replaced, up to ``MAX_LOSSES`` times per launcher; one that dies before it is re
 
 The launcher trusts nothing the zygote says, since the job's code may have run
 in it (a planted module, ``LD_PRELOAD``). The zygote sends a pidfd of each child;
-the launcher signals workers only through it, and only after checking that it
-names a live child of the zygote that runs as the job's user (``verified_pid``).
-Orphans of a zygote that died re-parent to the launcher (a subreaper), which
-reaps them through their pidfds: no exit status is lost.
+the launcher believes it only after checking that it names a live child of the
+zygote that runs as the job's user (``verified_pid``), and signals the worker only
+through it, hang detection included (``forked``). Every received descriptor is
+closed unless kept, requests never block, and a message the protocol does not
+allow gives the zygote up. Workers of a zygote that died go on; the agent (a
+subreaper) reaps them, so the launcher learns only that they ended
+(``LOST_STATUS``).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from worker import procs
 from worker.zygote import BOOTSTRAP, MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,24 @@ def verified_pid(pidfd: int, parent: int, uid: int | None) -> int:
     return pid
 
 
+def _readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` turns readable within ``timeout`` (a pidfd: its process ended)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
+
+# Popen's returncode for a worker whose zygote died before it: it ended, how is not known.
+LOST_STATUS = 1
+# Live and past forked workers of this launcher by pid, to signal through their pidfds.
+_forked: dict[int, ForkedProcess] = {}
+
+
+def forked(pid: int) -> ForkedProcess | None:
+    """The forked worker with this pid, if this launcher forked one."""
+    return _forked.get(pid)
+
+
 class ForkedProcess:
     """A worker forked by the zygote, with the part of ``subprocess.Popen`` that torch's
     elastic agent uses: ``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
@@ -157,39 +177,38 @@ class ForkedProcess:
             self._done.notify_all()
 
     def orphan(self) -> None:
-        """Its zygote is gone: it is this launcher's child now (a subreaper)."""
+        """Its zygote is gone: no one will tell this launcher how it ends (it is the
+        agent's to reap), only that it ended, through the pidfd."""
         with self._done:
             self._orphaned = True
             self._done.notify_all()
 
     def _close_pidfd(self) -> None:
+        """It has ended: forget its pidfd, and its pid, which is free for others now."""
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+        if _forked.get(self.pid) is self:
+            del _forked[self.pid]
 
-    def _reap_orphan(self, timeout: float) -> None:
-        """Take the exit status of an orphaned worker once it has one (waiting up to
-        ``timeout`` for it); only its parent, this launcher by now, can."""
+    def _check_orphan(self, timeout: float) -> None:
+        """Once an orphan has ended (its pidfd turns readable), end it here with
+        ``LOST_STATUS``: its real status went to whoever reaped it."""
         pidfd = self._pidfd
-        if pidfd is None or not select.select([pidfd], [], [], max(0.0, timeout))[0]:
+        if pidfd is None or not _readable(pidfd, timeout):
             return
         with self._done:
-            if self._pidfd is None or self.returncode is not None:
-                return
-            try:
-                result = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
-            except ChildProcessError:  # not ours yet: the kernel is re-parenting it
-                return
-            if result is None:
-                return
-            code = result.si_status
-            self.returncode = code if result.si_code == os.CLD_EXITED else -code
+            if self.returncode is None:
+                logger.warning(
+                    "worker pid %d ended after its zygote; its exit status is lost", self.pid
+                )
+                self.returncode = LOST_STATUS
             self._close_pidfd()
             self._done.notify_all()
 
     def poll(self) -> int | None:
         if self.returncode is None and self._orphaned:
-            self._reap_orphan(0.0)
+            self._check_orphan(0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -205,7 +224,7 @@ class ForkedProcess:
                 if not self._orphaned:
                     self._done.wait(step)
                     continue
-            self._reap_orphan(step)
+            self._check_orphan(step)
 
     def send_signal(self, sig: int) -> None:
         with self._done:
@@ -236,25 +255,34 @@ class ColdStart(Exception):
 @dataclass
 class _Pending:
     ready: threading.Event
-    pid: int | None = None
-    pidfd: int | None = None
+    args: list[str]
+    worker: ForkedProcess | None = None
     refusal: str | None = None
 
 
+class ZygoteBroke(Exception):
+    """The zygote said something the protocol does not allow: it is given up."""
+
+
 class Zygote:
-    """One zygote process and the thread that reads what it says."""
+    """One zygote process and the thread that reads what it says.
+
+    The reader thread checks each child the zygote names (``verified_pid``) and
+    registers it before it reads the next message, so the child's ``exited`` always
+    finds it. The child itself waits at a gate (a pipe whose read end goes with the
+    request) until the launcher has its registered worker in hand: a child that the
+    launcher gave up on (no answer in time, a failed check) reads EOF and exits
+    before it runs anything of the job's."""
 
     def __init__(
         self,
         *,
         env: Mapping[str, str],
-        cwd: str,
         uid: int | None,
         popen_kwargs: Mapping[str, Any],
         on_change: Callable[[Zygote, str, str], None],
     ) -> None:
         self.env = dict(env)
-        self.cwd = cwd
         self.uid = uid
         self.pid: int | None = None
         self.import_s: float | None = None
@@ -270,10 +298,11 @@ class Zygote:
         try:
             command = [sys.executable, "-u", "-m", "worker.zygote"]
             command += ["--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+            # No cwd=: the launcher's own is the job's working directory, and Popen would
+            # look the path up again as root, before the switch to the job's user.
             self._proc = subprocess.Popen(
                 command,
                 env=self.env,
-                cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
@@ -299,53 +328,72 @@ class Zygote:
             while True:
                 fds = array.array("i")
                 payload, ancillary, _, _ = self._sock.recvmsg(
-                    MAX_MESSAGE_BYTES, socket.CMSG_SPACE(fds.itemsize)
+                    MAX_MESSAGE_BYTES, socket.CMSG_SPACE(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
                 )
                 for level, kind, data in ancillary:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-                if not payload:
-                    break
-                self._dispatch(json.loads(payload), list(fds))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("zygote %s: %s; giving it up", self.pid, exc)
+                received = list(fds)
+                try:
+                    if not payload:
+                        break
+                    self._dispatch(json.loads(payload), received)
+                finally:
+                    for fd in received:  # whatever _dispatch did not take
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ZygoteBroke) as exc:
+            logger.warning("zygote %s: %s; giving it up", self._proc.pid, exc)
+            self.stop()
         finally:
             self._lost()
 
     def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
-        if "ready" in message or "exited" in message:
-            for fd in fds:
-                os.close(fd)
-        if "ready" in message:
+        """Apply one message; a descriptor it keeps it removes from ``fds``."""
+        if not isinstance(message, dict):
+            raise ZygoteBroke(f"not a message: {message!r:.80}")
+        if "ready" in message and self.pid is None:
             self.pid = self._proc.pid
             self.import_s = float(message.get("import_s") or 0.0)
             self.ready.set()
             self._on_change(self, "ready", f"warm zygote pid {self.pid} ready")
-        elif "forked" in message or "refused" in message:
-            key = int(message.get("forked", message.get("refused", -1)))
-            pending = self._pending.get(key)
-            if pending is None:
-                for fd in fds:
-                    os.close(fd)
-                raise ValueError(f"a reply to no request ({key})")
-            if "forked" in message and len(fds) == 1:
-                pending.pidfd = fds[0]
-            else:
-                for fd in fds:
-                    os.close(fd)
-                pending.refusal = str(message.get("reason") or "no pidfd with the reply")[:300]
-            pending.ready.set()
         elif "exited" in message:
             worker = self._workers.pop(int(message["exited"]), None)
             if worker is not None:
                 worker.exited(int(message["returncode"]))
+        elif "forked" in message or "refused" in message:
+            key = int(message.get("forked", message.get("refused", -1)))
+            pending = self._pending.get(key)
+            if pending is None or pending.ready.is_set():
+                raise ZygoteBroke(f"a reply to no request ({key})")
+            if "forked" in message:
+                if len(fds) != 1:
+                    raise ZygoteBroke("a child without its pidfd")
+                pidfd = fds.pop()
+                try:
+                    pid = verified_pid(pidfd, self._proc.pid, self.uid)
+                except (PermissionError, OSError, ValueError) as exc:
+                    os.close(pidfd)
+                    pending.refusal = f"the zygote's child failed its check: {exc}"
+                    pending.ready.set()
+                    raise ZygoteBroke(pending.refusal) from exc
+                worker = ForkedProcess(pid, pidfd, pending.args)
+                self._workers[pid] = worker
+                _forked[pid] = worker
+                pending.worker = worker
+            else:
+                pending.refusal = str(message.get("reason") or "no reason given")[:300]
+            pending.ready.set()
+        else:
+            raise ZygoteBroke(f"an unknown message: {sorted(message)[:5]}")
 
     def _lost(self) -> None:
         self.gone.set()
         self.ready.set()  # wake whoever waits for it
         for pending in list(self._pending.values()):
-            pending.refusal = pending.refusal or "the zygote is gone"
-            pending.ready.set()
+            if not pending.ready.is_set():
+                pending.refusal = "the zygote is gone"
+                pending.ready.set()
         for worker in list(self._workers.values()):
             worker.orphan()
         self._workers.clear()
@@ -372,8 +420,6 @@ class Zygote:
                 raise ColdStart("the zygote is gone")
             self._next_id += 1
             key = self._next_id
-            pending = _Pending(threading.Event())
-            self._pending[key] = pending
             message = {
                 "fork": key,
                 "argv": list(args[2:]),
@@ -382,34 +428,38 @@ class Zygote:
                 "new_session": True,
                 "stdout": stdout is not None,
                 "stderr": stderr is not None,
+                "gate": True,
             }
             payload = json.dumps(message).encode()
             if len(payload) > MAX_MESSAGE_BYTES:
-                del self._pending[key]
                 raise ColdStart("the worker's environment is too large for one request")
+            pending = _Pending(threading.Event(), list(args))
+            gate_read, gate_write = os.pipe2(os.O_CLOEXEC)
+            self._pending[key] = pending
             try:
-                fds = array.array("i", [f.fileno() for f in outputs])
-                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if outputs else []
-                self._sock.sendmsg([payload], ancillary)
+                fds = array.array("i", [f.fileno() for f in outputs] + [gate_read])
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
+                # Never blocks: a zygote that reads no requests fills its queue.
+                self._sock.sendmsg([payload], rights, socket.MSG_DONTWAIT)
             except OSError as exc:
-                del self._pending[key]
-                raise ColdStart(f"cannot reach the zygote: {exc}") from exc
-            if not pending.ready.wait(FORK_REPLY_S):
+                os.close(gate_write)
                 del self._pending[key]
                 self.stop()
-                raise ColdStart(f"the zygote did not answer within {FORK_REPLY_S:.0f} s")
-            del self._pending[key]
-            if pending.refusal is not None or pending.pidfd is None:
-                raise ColdStart(f"the zygote refused: {pending.refusal}")
+                raise ColdStart(f"cannot reach the zygote: {exc}") from exc
+            finally:
+                os.close(gate_read)
             try:
-                pid = verified_pid(pending.pidfd, self._proc.pid, self.uid)
-            except (PermissionError, OSError, ValueError) as exc:
-                os.close(pending.pidfd)
-                self.stop()  # it lied, or its child died at once: trust it no more
-                raise ColdStart(f"the zygote's child failed its check: {exc}") from exc
-            worker = ForkedProcess(pid, pending.pidfd, args)
-            self._workers[pid] = worker
-            return worker
+                answered = pending.ready.wait(FORK_REPLY_S)
+                if not answered:
+                    self.stop()
+                    raise ColdStart(f"the zygote did not answer within {FORK_REPLY_S:.0f} s")
+                if pending.worker is None:
+                    raise ColdStart(f"the zygote refused: {pending.refusal}")
+                os.write(gate_write, b"1")  # registered: the child may become the worker
+                return pending.worker
+            finally:
+                os.close(gate_write)
+                del self._pending[key]
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -428,13 +478,11 @@ class WarmStarter:
         self,
         *,
         env: Mapping[str, str],
-        cwd: str,
         uid: int | None,
         popen_kwargs: Mapping[str, Any],
         on_event: Callable[[str, str, Zygote | None], None],
     ) -> None:
         self._env = dict(env)
-        self._cwd = cwd
         self._uid = uid
         self._popen_kwargs = dict(popen_kwargs)
         self._on_event = on_event
@@ -443,19 +491,21 @@ class WarmStarter:
         self._stopping = False
         self.zygote: Zygote | None = None
         self.given_up: str | None = None
-        procs.become_subreaper()  # a dead zygote's workers become ours, to reap
         self._start()
 
     def _start(self) -> None:
         try:
             self.zygote = Zygote(
-                env=self._env, cwd=self._cwd, uid=self._uid,
-                popen_kwargs=self._popen_kwargs, on_change=self._changed,
+                env=self._env, uid=self._uid, popen_kwargs=self._popen_kwargs,
+                on_change=self._changed,
             )  # fmt: skip
         except OSError as exc:
-            self.zygote = None
-            self.given_up = f"cannot start the zygote: {exc}"
-            self._on_event("unavailable", self.given_up, None)
+            self._give_up(f"cannot start the zygote: {exc}", None)
+
+    def _give_up(self, why: str, zygote: Zygote | None) -> None:
+        self.given_up = why
+        self.zygote = None
+        self._on_event("unavailable", why, zygote)
 
     def _changed(self, zygote: Zygote, state: str, message: str) -> None:
         if state == "ready":
@@ -469,17 +519,12 @@ class WarmStarter:
                 zygote._proc.wait(5)
             what = f"the zygote (pid {zygote._proc.pid}) is gone (exit {zygote._proc.poll()})"
             if zygote.pid is None:  # it never got ready: another would fail the same way
-                self.given_up = f"{what} before it was ready (its stderr is in the logs)"
-                self.zygote = None
-                self._on_event("unavailable", self.given_up, zygote)
-                return
-            if self._losses > MAX_LOSSES:
-                self.given_up = f"{what}, {self._losses} times: workers start cold from now"
-                self.zygote = None
-                self._on_event("unavailable", self.given_up, zygote)
-                return
-            self._on_event("lost", f"{what}; starting another", zygote)
-            self._start()
+                self._give_up(f"{what} before it was ready (its stderr is in the logs)", zygote)
+            elif self._losses > MAX_LOSSES:
+                self._give_up(f"{what}, {self._losses} times: workers start cold from now", zygote)
+            else:
+                self._on_event("lost", f"{what}; starting another", zygote)
+                self._start()
 
     def fork(
         self, args: Sequence[str], env: Mapping[str, str], stdout: IO[Any] | None,
@@ -489,7 +534,15 @@ class WarmStarter:
         zygote = self.zygote
         if zygote is None:
             raise ColdStart(self.given_up or "no zygote")
-        reason = zygote.usable(READY_WAIT_S) or cold_start_reason(args, env, zygote.env)
+        waited = zygote.usable(READY_WAIT_S)
+        if waited is not None:
+            with self._lock:
+                if zygote is self.zygote:
+                    # Waited once for all: the next ranks and restarts start cold at once.
+                    self._give_up(waited, zygote)
+                    zygote.stop()
+            raise ColdStart(waited)
+        reason = cold_start_reason(args, env, zygote.env)
         if reason is not None:
             raise ColdStart(reason)
         return zygote.fork(args, env, stdout, stderr)

@@ -57,27 +57,46 @@ BOOTSTRAP = ("-m", "worker.bootstrap")
 # Thread pools that libgomp and MKL size when torch is loaded: a worker whose
 # environment asks for another size has it set after the fork.
 _THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 # The zygote's name in ps and /proc/PID/comm; its workers take back the interpreter's.
 ZYGOTE_NAME = ZYGOTE_PROCESS_NAME
 
 
+# Top-level modules that a cold worker has imported before its script's directory goes
+# first on sys.path (what ``worker.bootstrap`` imports first); set by ``warm_imports``.
+_before_script: frozenset[str] = frozenset()
+
+
+def _top_level_modules() -> frozenset[str]:
+    return frozenset(name.split(".", 1)[0] for name in list(sys.modules))
+
+
 def warm_imports() -> None:
     """What every worker would import first: paid once, here."""
-    import numpy  # noqa: F401
+    global _before_script
+    # First what the bootstrap imports before it runs the script, as a cold worker does.
     import torch
-    import torch._dynamo  # DDP's constructor imports it: seconds on a CUDA build
-    import torch.distributed
     import torch.distributed.elastic.multiprocessing.errors
-    import torch.nn.parallel
 
     import worker.bootstrap
     import worker.runtime.startup
     import worker.runtime.step_counter  # noqa: F401
 
+    _before_script = _top_level_modules()
+    # Then what a DDP script imports next.
+    import numpy  # noqa: F401
+    import torch._dynamo  # DDP's constructor imports it: seconds on a CUDA build
+    import torch.distributed
+    import torch.nn.parallel
+
     if not torch.distributed.is_available():  # pragma: no cover - builds without it
         raise RuntimeError("this torch has no torch.distributed")
+
+
+def extra_modules() -> frozenset[str]:
+    """Top-level modules the zygote imported beyond what a cold worker has imported by
+    the time it runs the script."""
+    return _top_level_modules() - _before_script
 
 
 def threads() -> int:
@@ -115,9 +134,10 @@ def shadow_refusal(request: Request) -> str | None:
     """Why the script's own directory would give this worker another module than the one
     the zygote imported; None if it would not.
 
-    A worker started cold puts the script's directory first on ``sys.path`` before
-    anything but Python's own start-up is imported, so a ``random.py`` or a
-    ``numpy/`` beside the script is what it imports; a fork has those already."""
+    A worker started cold puts the script's directory first on ``sys.path`` once the
+    bootstrap has imported torch; a module the zygote imported after that (``sympy``,
+    by ``torch._dynamo``) would come from a file of that name beside the script in a
+    cold worker, and is already imported in a fork."""
     args = request.argv[len(BOOTSTRAP) :]
     if not args or args[0] == "-m":
         return None  # sys.path[0] is the working directory, as it is in the zygote
@@ -126,10 +146,9 @@ def shadow_refusal(request: Request) -> str | None:
         names = _module_names(directory)
     except OSError:
         return None  # not listable: what the worker imports cannot be told, nor changed
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        origin = getattr(module, "__file__", None) or ""
-        if module is not None and not origin.startswith(directory + os.sep):
+    for name in sorted(names & extra_modules()):
+        origin = getattr(sys.modules.get(name), "__file__", None) or ""
+        if not origin.startswith(directory + os.sep):
             return f"the script's directory holds {name!r}, which the zygote took from elsewhere"
     return None
 
@@ -178,6 +197,7 @@ class Request:
     new_session: bool
     stdout: int | None
     stderr: int | None
+    gate: int | None = None  # read by the child: one byte from the launcher, or EOF
     fds: list[int] = field(default_factory=list)
 
     @classmethod
@@ -191,12 +211,11 @@ class Request:
             raise ValueError("env must map names to strings")
         if any("=" in k or "\x00" in k or "\x00" in v or not k for k, v in env.items()):
             raise ValueError("env holds a name or value that no environment can")
-        wanted = int(bool(message.get("stdout"))) + int(bool(message.get("stderr")))
-        if wanted != len(fds):
-            raise ValueError(f"{wanted} output files announced, {len(fds)} sent")
+        flags = [bool(message.get(name)) for name in ("stdout", "stderr", "gate")]
+        if sum(flags) != len(fds):
+            raise ValueError(f"{sum(flags)} descriptors announced, {len(fds)} sent")
         queue = list(fds)
-        stdout = queue.pop(0) if message.get("stdout") else None
-        stderr = queue.pop(0) if message.get("stderr") else None
+        stdout, stderr, gate = (queue.pop(0) if flag else None for flag in flags)
         return cls(
             id=int(message["fork"]),
             argv=argv,
@@ -205,6 +224,7 @@ class Request:
             new_session=bool(message.get("new_session", True)),
             stdout=stdout,
             stderr=stderr,
+            gate=gate,
             fds=list(fds),
         )
 
@@ -216,12 +236,25 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
     fds = array.array("i")
     payload, ancillary, _flags, _addr = sock.recvmsg(
-        MAX_MESSAGE_BYTES, socket.CMSG_SPACE(2 * fds.itemsize)
+        MAX_MESSAGE_BYTES, socket.CMSG_SPACE(3 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
     )
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
     return payload, list(fds)
+
+
+def _pass_gate(request: Request) -> None:
+    """In the child: wait for the launcher's word (it has checked and registered this
+    process); without it (EOF: it gave up on this fork), end before becoming anything."""
+    if request.gate is None:
+        return
+    try:
+        word = os.read(request.gate, 1)
+    except OSError:
+        word = b""
+    if word != b"1":
+        os._exit(70)
 
 
 def _reap(sock: socket.socket) -> None:
@@ -334,6 +367,7 @@ def _reseed() -> None:
 
 def become(request: Request) -> list[str]:
     """Turn this forked child into the worker; returns the bootstrap's arguments."""
+    _pass_gate(request)
     set_name(os.path.basename(sys.executable))  # as exec would have named it
     if request.new_session:
         os.setsid()
@@ -370,8 +404,9 @@ def set_name(name: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ns = _parse(sys.argv[1:] if argv is None else argv)
-    # The launcher's death ends the zygote (not its workers: those are the agent's).
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The launcher's death ends the zygote through its socket (EOF), not its workers:
+    # those are the agent's. (No parent-death signal: a replacement zygote is started by
+    # a launcher thread that ends soon after, and the signal follows the thread.)
     set_name(ZYGOTE_NAME)
     if os.getppid() != ns.parent_pid:
         sys.exit(1)

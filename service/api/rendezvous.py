@@ -55,6 +55,7 @@ workers = APIRouter(prefix="/workers", tags=["workers"])
 
 RdzvId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 POLL_S = 0.05  # how often a waiting read looks again
+STATE_POLL_S = 0.1  # how often a launcher's wait for a new rendezvous state looks again
 T = TypeVar("T")
 
 
@@ -119,20 +120,23 @@ async def get_state(
     write. With ``changed_from``, waits (at most ``wait_s``, at most ``MAX_WAIT_S``) for
     another version: a launcher that waits for the others learns at once that they came."""
 
+    def version() -> int:
+        with transaction(factory) as session:
+            return rendezvous.state_version(session, caller.attempt(session, rdzv_id))
+
     def read() -> tuple[tuple[bytes, int] | None, int]:
         with transaction(factory) as session:
             attempt_id = caller.attempt(session, rdzv_id)
-            return rendezvous.get_state(session, attempt_id), rendezvous.member_count(
-                session, attempt_id
-            )
+            found = rendezvous.get_state(session, attempt_id)
+            return found, rendezvous.member_count(session, attempt_id)
 
-    deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
-    while True:
-        found, members = await run_in_threadpool(read)
-        version = 0 if found is None else found[1]
-        if changed_from is None or version != changed_from or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(POLL_S)
+    if changed_from is not None:
+        deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
+        while await run_in_threadpool(version) == changed_from:
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(STATE_POLL_S)
+    found, members = await run_in_threadpool(read)
     if found is None:
         return RendezvousState(members=members)
     return RendezvousState(state=encode(found[0]), version=found[1], members=members)

@@ -66,15 +66,53 @@ _SLEEPER = textwrap.dedent(
 )
 
 
+# The job's own code in place of the zygote (a worker/ package on its PYTHONPATH).
+_HOSTILE_ZYGOTE = textwrap.dedent(
+    """
+    import array, json, os, socket, sys
+    sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--fd") + 1]))
+    sock.send(json.dumps({"ready": os.getpid(), "import_s": 0}).encode())
+    while True:
+        data, _, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(16))
+        if not data:
+            break
+        request = json.loads(data)
+        if os.environ["MODE"] == "lie":  # "my child" is the launcher's other process
+            fd = os.pidfd_open(int(os.environ["VICTIM"]))
+            reply = {"forked": request["fork"], "pid": int(os.environ["VICTIM"])}
+            fds = [fd]
+        else:  # junk, with descriptors to leak, again and again
+            reply, fds = {"junk": 1}, list(os.pipe())
+        for _ in range(1 if os.environ["MODE"] == "lie" else 50):
+            try:
+                sock.sendmsg(
+                    [json.dumps(reply).encode()],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                )
+            except OSError:
+                sys.exit(0)
+    """
+)
+
+
 def _drive(scenario: str, work: Path, uid: int | None = None) -> dict[str, Any]:
     (work / "sub").mkdir(exist_ok=True)
     (work / "sub" / "main.py").write_text(_FACTS)
     (work / "sub" / "helper.py").write_text("VALUE = 'beside the script'\n")
     (work / "sleeper.py").write_text(_SLEEPER)
     (work / "quick.py").write_text("print('quick')\n")
-    (work / "shadow").mkdir(exist_ok=True)  # a script beside its own random.py
-    (work / "shadow" / "main.py").write_text("import random\n")
-    (work / "shadow" / "random.py").write_text("VALUE = 1\n")
+    (work / "shadow").mkdir(exist_ok=True)  # beside a module only the zygote had imported
+    (work / "shadow" / "main.py").write_text("import sympy\n")
+    (work / "shadow" / "sympy.py").write_text("VALUE = 1\n")
+    (work / "beside").mkdir(exist_ok=True)  # beside one a cold worker has imported too
+    (work / "beside" / "main.py").write_text(
+        "import random, sys\nsys.exit(0 if random.random else 3)\n"
+    )
+    (work / "beside" / "random.py").write_text("raise SystemExit(4)\n")
+    planted = work / "planted" / "worker"
+    planted.mkdir(parents=True, exist_ok=True)
+    (planted / "__init__.py").write_text("")
+    (planted / "zygote.py").write_text(_HOSTILE_ZYGOTE)
     work.chmod(0o777)
     for path in work.rglob("*"):
         path.chmod(0o777 if path.is_dir() else 0o666)
@@ -139,11 +177,11 @@ def test_torch_ends_a_forked_worker_through_its_session(tmp_path: Path) -> None:
     assert result["code"] == -15 and result["poll"] == -15
 
 
-def test_a_zygote_that_dies_is_replaced_and_its_workers_exit_status_is_kept(
+def test_a_zygote_that_dies_is_replaced_and_its_running_workers_are_still_followed(
     tmp_path: Path,
 ) -> None:
     result = _drive("zygote_dies", tmp_path, JOB_UID)
-    assert result["orphan_code"] == 5  # reaped by the launcher once the zygote was gone
+    assert result["orphan_code"] == warm.LOST_STATUS  # ended; its status went to its reaper
     assert result["events"][:3] == ["ready", "lost", "ready"], result
     assert result["second_pid"] != result["first_pid"]
     assert result["code_after"] == 0
@@ -154,8 +192,22 @@ def test_a_worker_that_cannot_be_forked_is_refused_with_the_reason(tmp_path: Pat
     assert len(result["reasons"]) == 3, result
     assert "not relaunch's bootstrap" in result["reasons"][0]
     assert "LD_PRELOAD" in result["reasons"][1]
-    # A cold start would import the random.py beside the script; a fork has the stdlib's.
-    assert "'random'" in result["reasons"][2]
+    # A cold worker would import the sympy.py beside the script; a fork has torch's.
+    assert "'sympy'" in result["reasons"][2]
+    # A cold worker has the stdlib's random before the script runs, and so has a fork.
+    assert result["beside_code"] == 0
+
+
+def test_a_zygote_run_by_the_jobs_code_can_make_the_launcher_signal_nothing_of_anyone_else(
+    tmp_path: Path,
+) -> None:
+    result = _drive("hostile", tmp_path, JOB_UID)
+    assert "failed its check" in result["lie"] and "not a child" in result["lie"], result
+    assert result["victim_alive"] is True
+    assert "refused" in result["junk"] or "gone" in result["junk"], result
+    # Given up at its first junk message; every descriptor it sent was closed.
+    assert result["junk_fds_leaked"] == 0 and result["lie_fds_leaked"] == 0, result
+    assert result["junk_events"][:2] == ["ready", "lost"], result
 
 
 def test_what_may_differ_between_a_worker_and_its_zygote() -> None:

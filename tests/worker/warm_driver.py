@@ -42,7 +42,7 @@ class Recorder:
 def _starter(work: Path, uid: int | None, env: dict[str, str]) -> tuple[WarmStarter, Recorder]:
     recorder = Recorder()
     kwargs: dict[str, Any] = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
-    starter = WarmStarter(env=env, cwd=str(work), uid=uid, popen_kwargs=kwargs, on_event=recorder)
+    starter = WarmStarter(env=env, uid=uid, popen_kwargs=kwargs, on_event=recorder)
     recorder.wait_for("ready")
     return starter, recorder
 
@@ -140,7 +140,7 @@ def zygote_dies(work: Path, uid: int | None) -> dict[str, Any]:
     first._proc.kill()  # the zygote, while its worker runs
     recorder.wait_for("ready", count=2)
     (work / "sleeper.go").touch()  # the worker may end now, with its own code
-    code = proc.wait(60)
+    code = proc.wait(60)  # known to have ended; how, only its reaper (not us) knows
     second = starter.zygote
     assert second is not None
     out2, err2 = _outputs(work, "after")
@@ -169,8 +169,50 @@ def refused(work: Path, uid: int | None) -> dict[str, Any]:
             starter.fork(args, env, out, err)
         except ColdStart as exc:
             reasons.append(str(exc))
+    # A random.py beside the script: a cold worker, too, has the stdlib's by then.
+    beside = starter.fork(
+        [*BOOTSTRAP, str(work / "beside" / "main.py")], dict(os.environ), out, err
+    )
+    code = beside.wait(60)
     starter.stop()
-    return {"reasons": reasons}
+    return {"reasons": reasons, "beside_code": code}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def hostile(work: Path, uid: int | None) -> dict[str, Any]:
+    """A zygote replaced by the job's own code (a planted worker/zygote.py) that names
+    another process as its child, or sends junk with descriptors."""
+    victim = subprocess.Popen(["sleep", "60"])
+    env = {**os.environ, "VICTIM": str(victim.pid), "PYTHONPATH": str(work / "planted")}
+    result: dict[str, Any] = {}
+    for mode in ("lie", "junk"):
+        before = _open_fds()
+        recorder = Recorder()
+        kwargs: dict[str, Any] = (
+            {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+        )
+        zygote_env = {**env, "MODE": mode}
+        starter = WarmStarter(env=zygote_env, uid=uid, popen_kwargs=kwargs, on_event=recorder)
+        recorder.wait_for("ready")
+        out, err = _outputs(work, f"hostile-{mode}")
+        try:
+            starter.fork([*BOOTSTRAP, str(work / "quick.py")], zygote_env, out, err)
+            result[mode] = "forked"
+        except ColdStart as exc:
+            result[mode] = str(exc)
+        starter.stop()
+        out.close()
+        err.close()
+        threading.Event().wait(1.0)  # the reader thread closes what it received
+        result[f"{mode}_fds_leaked"] = _open_fds() - before
+        result[f"{mode}_events"] = [e[0] for e in recorder.events]
+    result["victim_alive"] = victim.poll() is None
+    victim.kill()
+    victim.wait()
+    return result
 
 
 def main() -> None:
