@@ -364,13 +364,18 @@ def enter(sandbox: WorkerSandbox, warm: WarmHooks | None = None) -> str | None:
         from worker import warm as warm_starts
 
         installed = _Installed(sandbox, dict(overlay))
-        starter = warm_starts.WarmStarter(
-            env=_prepare(installed, dict(os.environ)),
-            uid=None if sandbox.user is None else sandbox.user.uid,
-            popen_kwargs=sandbox.popen_kwargs(),
-            on_event=warm.on_zygote,
-        )
-        warm_starts.install_close_hook()
+        try:
+            starter = warm_starts.WarmStarter(
+                env=_prepare(installed, dict(os.environ)),
+                uid=None if sandbox.user is None else sandbox.user.uid,
+                popen_kwargs=sandbox.popen_kwargs(),
+                on_event=warm.on_zygote,
+            )
+            warm_starts.install_close_hook()
+        except Exception as exc:  # a warm start must never cost the job its start
+            logger.exception("cannot start the warm zygote; workers start cold")
+            warm.on_zygote("unavailable", f"cannot start the zygote: {exc}", None)
+            starter = None
     install_worker_hooks(sandbox, overlay, starter, None if warm is None else warm.on_cold)
     return None
 
