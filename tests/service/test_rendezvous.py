@@ -44,23 +44,53 @@ def as_node(api: Cluster, node_id: int) -> dict[str, str]:
 def test_the_state_is_written_with_compare_and_set(api: Cluster, reconciler: Reconciler) -> None:
     job = placed(api, reconciler, "a", "b")
     url, (a, b) = job["url"], job["node_ids"]
+    # Every answer counts the attempt's active members: two nodes here.
     assert api.get(f"{url}/state", headers=as_node(api, a)).json() == {
-        "state": None, "version": 0, "written": False,
+        "state": None, "version": 0, "written": False, "members": 2,
     }  # fmt: skip
     first = api.post(f"{url}/state", json={"state": b64(b"one")}, headers=as_node(api, a)).json()
-    assert first == {"state": b64(b"one"), "version": 1, "written": True}
+    assert first == {"state": b64(b"one"), "version": 1, "written": True, "members": 2}
     # Another node also writes "only if none": it gets the state that won.
     lost = api.post(f"{url}/state", json={"state": b64(b"two")}, headers=as_node(api, b)).json()
-    assert lost == {"state": b64(b"one"), "version": 1, "written": False}
+    assert lost == {"state": b64(b"one"), "version": 1, "written": False, "members": 2}
     ok = api.post(
         f"{url}/state", json={"state": b64(b"two"), "version": 1}, headers=as_node(api, b)
     )
-    assert ok.json() == {"state": b64(b"two"), "version": 2, "written": True}
+    assert ok.json() == {"state": b64(b"two"), "version": 2, "written": True, "members": 2}
     stale = api.post(
         f"{url}/state", json={"state": b64(b"x"), "version": 1}, headers=as_node(api, a)
     ).json()
-    assert stale == {"state": b64(b"two"), "version": 2, "written": False}
+    assert stale == {"state": b64(b"two"), "version": 2, "written": False, "members": 2}
     assert api.get(f"{url}/state", headers=as_node(api, a)).json()["state"] == b64(b"two")
+
+
+def test_a_launcher_may_wait_for_the_state_to_change(api: Cluster, reconciler: Reconciler) -> None:
+    job = placed(api, reconciler, "a", "b")
+    url, (a, b) = job["url"], job["node_ids"]
+    api.post(f"{url}/state", json={"state": b64(b"one")}, headers=as_node(api, a))
+    # Another version than the one named: at once.
+    now = api.get(f"{url}/state", params={"changed_from": 7, "wait_s": 30}, headers=as_node(api, a))
+    assert now.json()["version"] == 1
+    # The version named: after the wait, unchanged.
+    waited = api.get(
+        f"{url}/state", params={"changed_from": 1, "wait_s": 0.3}, headers=as_node(api, a)
+    )
+    assert waited.json()["version"] == 1
+    # A write by another node ends the wait with what it wrote.
+    writer = threading.Timer(
+        0.3,
+        lambda: api.post(
+            f"{url}/state", json={"state": b64(b"two"), "version": 1}, headers=as_node(api, b)
+        ),
+    )
+    writer.start()
+    woken = api.get(
+        f"{url}/state", params={"changed_from": 1, "wait_s": 20}, headers=as_node(api, a)
+    )
+    writer.join()
+    assert woken.json()["version"] == 2 and woken.json()["state"] == b64(b"two")
+    bad = api.get(f"{url}/state", params={"changed_from": -1}, headers=as_node(api, a))
+    assert bad.status_code == 422
 
 
 def test_store_operations(api: Cluster, reconciler: Reconciler) -> None:
