@@ -4,6 +4,7 @@ and the harness of the end-to-end tests and the benchmarks."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import secrets
 import signal
@@ -121,6 +122,21 @@ class LocalCluster:
 
     def job_workers(self, job_id: int) -> list[psutil.Process]:
         return job_worker_processes(self.snapshot_dir(job_id))
+
+    def worker_env(self, proc: psutil.Process) -> dict[str, str]:
+        """A worker's environment: ``/proc/PID/environ`` with its own variables (rank,
+        master address, ...) from its launcher's ``workers.json``, which a worker forked
+        from a warm zygote does not show in /proc."""
+        env = dict(proc.environ())
+        records = self.nodes_dir.glob("agents/*/attempts/*/workers.json")
+        for record in sorted(records, key=_mtime):  # the newest record of a reused pid wins
+            try:
+                found = json.loads(record.read_text()).get(str(proc.pid))
+            except (OSError, ValueError):
+                continue
+            if found:
+                env.update({k: str(v) for k, v in found.items() if k != "forked"})
+        return env
 
     def _open_to_jobs(self) -> None:
         """Make the snapshot root, passable (0711, not listable) by the jobs' users, as is
@@ -255,6 +271,13 @@ class LocalCluster:
         for name in [n for n in self.procs if n != "controller"]:
             self.stop(name)
         self.stop("controller")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def free_port() -> int:

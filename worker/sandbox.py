@@ -42,7 +42,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -395,10 +395,42 @@ def check_runs_as(proc: subprocess.Popen[Any], user: JobUser) -> None:
         raise RuntimeError(f"worker pid {proc.pid} runs as uids {uids}, not {user.uid}; killed")
 
 
+# A worker's own variables, kept in ``WORKERS_FILE`` by pid: a worker forked from the
+# zygote shows its zygote's environment in /proc/PID/environ, not these.
+RECORDED_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+WORKERS_FILE = "workers.json"  # in the attempt's directory, beside events.jsonl
+
+
 @dataclass
 class _Installed:
     sandbox: WorkerSandbox
     overlay: dict[str, str]
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def record(self, pid: int, env: Mapping[str, str], forked: bool) -> None:
+        """Add a started worker to the attempt's ``workers.json`` (pid -> its rank and the
+        rest of ``RECORDED_VARIABLES``, and whether it was forked): which process is which
+        rank, for the people and tools that look. Root's file, readable by all."""
+        entry: dict[str, Any] = {k: env[k] for k in RECORDED_VARIABLES if k in env}
+        entry["forked"] = forked
+        self.workers[str(pid)] = entry
+        path = self.sandbox.log_dir.parent / WORKERS_FILE
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.workers))
+            tmp.chmod(0o644)
+            tmp.replace(path)
+        except OSError as exc:
+            logger.warning("cannot record worker %d in %s: %s", pid, path, exc)
 
 
 def _prepare(installed: _Installed, torch_env: Mapping[str, str]) -> dict[str, str]:
@@ -475,10 +507,12 @@ def install_worker_hooks(
             except ColdStart as exc:
                 if on_cold is not None:
                     on_cold(self.local_rank_id, str(exc))
+        forked = proc is not None
         if proc is None:
             proc = original_popen(self, args, worker_env)
         if sandbox.user is not None:
             check_runs_as(proc, sandbox.user)
+        installed.record(proc.pid, worker_env, forked)
         return proc
 
     @functools.wraps(original_post_init)

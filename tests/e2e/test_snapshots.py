@@ -84,7 +84,7 @@ def assert_succeeded_from_a_snapshot(client: RelaunchClient, job_id: int) -> dic
 
 def worker_of_rank(cluster: LocalCluster, job_id: int, rank: int) -> psutil.Process:
     for proc in cluster.job_workers(job_id):
-        if proc.environ().get("RANK") == str(rank):
+        if cluster.worker_env(proc).get("RANK") == str(rank):
             return proc
     raise AssertionError(f"no worker of job {job_id} has rank {rank}")
 

@@ -80,7 +80,7 @@ def start_nodes(cluster: LocalCluster, nodes: list[str], *names: str) -> None:
 
 def node_of_rank(cluster: LocalCluster, job_id: int, rank: int) -> str:
     for proc in cluster.job_workers(job_id):
-        env = proc.environ()
+        env = cluster.worker_env(proc)
         if env.get("RANK") == str(rank):
             return env["RELAUNCH_NODE_NAME"]
     raise AssertionError(f"no worker of job {job_id} has rank {rank}")
