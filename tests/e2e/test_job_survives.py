@@ -130,6 +130,20 @@ def test_cancel_ends_every_process_of_the_job(
     assert client.cancel(job_id)["state"] == "CANCELLED"
 
 
+def example_script(name: str, **extra: Any) -> dict[str, Any]:
+    """A two-node job of the example torchrun script, writing result.json."""
+    return {
+        "name": name,
+        "script": {
+            "path": str(REPO / "examples" / "torchrun_script.py"),
+            # Relative: into the job's own directory, where the job's user may write.
+            "args": ["--out", "result.json"],
+        },
+        "nnodes": "2:2",
+        **extra,
+    }
+
+
 def test_a_worker_its_zygote_cannot_serve_starts_cold_and_the_timeline_says_why(
     cluster: LocalCluster, client: RelaunchClient
 ) -> None:
@@ -141,17 +155,7 @@ def test_a_worker_its_zygote_cannot_serve_starts_cold_and_the_timeline_says_why(
     for path in (planted, planted / "numpy"):
         path.chmod(0o755)
     (planted / "numpy" / "__init__.py").chmod(0o644)
-    job_id = client.submit(
-        {
-            "name": "cold",
-            "script": {
-                "path": str(REPO / "examples" / "torchrun_script.py"),
-                "args": ["--out", "result.json"],
-            },
-            "nnodes": "2:2",
-            "env": {"PYTHONPATH": str(planted)},
-        }
-    )["id"]
+    job_id = client.submit(example_script("cold", env={"PYTHONPATH": str(planted)}))["id"]
     job = wait_terminal(client, job_id)
     assert job["state"] == "SUCCEEDED", job
     events = client.events(job_id)
@@ -167,17 +171,7 @@ def test_a_worker_its_zygote_cannot_serve_starts_cold_and_the_timeline_says_why(
 def test_a_torchrun_script_runs_unchanged_as_a_job(
     cluster: LocalCluster, client: RelaunchClient, tmp_path: Path
 ) -> None:
-    job_id = client.submit(
-        {
-            "name": "user-script",
-            "script": {
-                "path": str(REPO / "examples" / "torchrun_script.py"),
-                # Relative: into the job's own directory, where the job's user may write.
-                "args": ["--out", "result.json"],
-            },
-            "nnodes": "2:2",
-        }
-    )["id"]
+    job_id = client.submit(example_script("user-script"))["id"]
     job = wait_terminal(client, job_id)
     assert job["state"] == "SUCCEEDED", job
     result = json.loads((cluster.snapshot_dir(job_id) / "result.json").read_text())
