@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -381,10 +381,14 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
     work.chmod(0o711)  # jobs run as users of their own and must pass through it
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    raw, relaunch, cold = RawTorchrun(work), Relaunch(work), Relaunch(work, warm=False)
     trials: list[TrialResult] = []
     index = 0
-    try:
+    with ExitStack() as running:  # every controller started is stopped, whatever fails
+        raw = RawTorchrun(work)
+        relaunch = Relaunch(work)
+        running.callback(relaunch.close)
+        cold = Relaunch(work, warm=False)
+        running.callback(cold.close)
         for scenario in scenarios:
             for rep in range(args.repeats):
                 for system in (raw, cold, relaunch):
@@ -399,9 +403,6 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     shown = "never" if seconds is None else f"{seconds:.1f} s"
                     console.print(f"{scenario} #{rep + 1} {system.name}: {shown}")
-    finally:
-        relaunch.close()
-        cold.close()
     results: dict[tuple[str, str], list[float | None]] = {}
     for trial in trials:
         results.setdefault((trial.scenario, trial.system), []).append(trial.recovery_s)
