@@ -294,19 +294,20 @@ def install_sync_wait() -> None:
     first round's random skew) is torch's own."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    current = dynamic_rendezvous._delay
-    if getattr(current, "_relaunch_sync_wait", False):
-        return
+    current = getattr(dynamic_rendezvous, "_delay", None)
+    if current is None or getattr(current, "_relaunch_sync_wait", False):
+        return  # a torch without the seam, or installed already: torch's own waits
     replacement = functools.partial(_sync_delay, current)
     replacement._relaunch_sync_wait = True  # type: ignore[attr-defined]
     dynamic_rendezvous._delay = replacement
     # ``_add_to_participants`` adds this node to the round and, below MAX, starts the
     # last call; the round is complete at once when every member has joined.
-    executor = dynamic_rendezvous._DistributedRendezvousOpExecutor
-    add = executor._add_to_participants
-    executor._add_to_participants = functools.partialmethod(  # type: ignore[assignment]
-        _complete_when_all_members_joined, add
-    )
+    executor = getattr(dynamic_rendezvous, "_DistributedRendezvousOpExecutor", None)
+    add = getattr(executor, "_add_to_participants", None)
+    if executor is not None and add is not None:
+        executor._add_to_participants = functools.partialmethod(
+            _complete_when_all_members_joined, add
+        )
 
 
 class ControllerStore(dist.Store):
