@@ -36,17 +36,24 @@ logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NAME = 15
 
 _POLL_S = 0.1
 # psutil derives create_time from clock ticks since boot; equal within a boot.
 _CREATE_TIME_TOLERANCE_S = 0.05
 
 
-def _prctl(option: int, value: int) -> None:
+def _prctl(option: int, value: int | bytes) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+    argument = ctypes.c_char_p(value) if isinstance(value, bytes) else ctypes.c_ulong(value)
+    if libc.prctl(option, argument, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def set_process_name(name: str) -> None:
+    """This process's name in /proc/PID/comm and ``ps`` (the kernel keeps 15 bytes)."""
+    _prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def set_parent_death_signal(sig: signal.Signals) -> None:

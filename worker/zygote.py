@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.labels import ZYGOTE_PROCESS_NAME
+from worker.procs import set_process_name
 
 # A request carries a worker's whole environment; a packet stays below this.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -57,9 +58,7 @@ BOOTSTRAP = ("-m", "worker.bootstrap")
 # Thread pools that libgomp and MKL size when torch is loaded: a worker whose
 # environment asks for another size has it set after the fork.
 _THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-PR_SET_NAME = 15
 # The zygote's name in ps and /proc/PID/comm; its workers take back the interpreter's.
-ZYGOTE_NAME = ZYGOTE_PROCESS_NAME
 
 
 # Top-level modules that a cold worker has imported before its script's directory goes
@@ -368,7 +367,7 @@ def _reseed() -> None:
 def become(request: Request) -> list[str]:
     """Turn this forked child into the worker; returns the bootstrap's arguments."""
     _pass_gate(request)
-    set_name(os.path.basename(sys.executable))  # as exec would have named it
+    set_process_name(os.path.basename(sys.executable))  # as exec would have named it
     if request.new_session:
         os.setsid()
     _redirect(request)
@@ -388,26 +387,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def _prctl(option: int, value: int | bytes) -> None:
-    import ctypes
-    import ctypes.util
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    argument = ctypes.c_char_p(value) if isinstance(value, bytes) else ctypes.c_ulong(value)
-    libc.prctl(option, argument, 0, 0, 0)
-
-
-def set_name(name: str) -> None:
-    """This process's name in /proc/PID/comm (the kernel keeps 15 bytes)."""
-    _prctl(PR_SET_NAME, name.encode()[:15])
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ns = _parse(sys.argv[1:] if argv is None else argv)
     # The launcher's death ends the zygote through its socket (EOF), not its workers:
     # those are the agent's. (No parent-death signal: a replacement zygote is started by
     # a launcher thread that ends soon after, and the signal follows the thread.)
-    set_name(ZYGOTE_NAME)
+    set_process_name(ZYGOTE_PROCESS_NAME)
     if os.getppid() != ns.parent_pid:
         sys.exit(1)
     sock = socket.socket(fileno=ns.fd)
