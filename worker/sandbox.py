@@ -419,15 +419,18 @@ class _Installed:
     def record(self, pid: int, env: Mapping[str, str], forked: bool) -> None:
         """Add a started worker to the attempt's ``workers.json`` (pid -> its rank and the
         rest of ``RECORDED_VARIABLES``, and whether it was forked): which process is which
-        rank, for the people and tools that look. Root's file, readable by all."""
+        rank, for the people and tools that look. Root's file, 0600: another job's user
+        must not learn where this job's store listens (``MASTER_PORT``)."""
         entry: dict[str, Any] = {k: env[k] for k in RECORDED_VARIABLES if k in env}
         entry["forked"] = forked
         self.workers[str(pid)] = entry
         path = self.sandbox.log_dir.parent / WORKERS_FILE
         try:
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.workers))
-            tmp.chmod(0o644)
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(self.workers))
             tmp.replace(path)
         except OSError as exc:
             logger.warning("cannot record worker %d in %s: %s", pid, path, exc)
