@@ -17,7 +17,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from contract.events import RuntimeEvent
 from contract.fields import Id, Int32, PlainText, PrintedText
@@ -48,6 +48,30 @@ COLLECTIVE_TIMEOUT_ENV = "RELAUNCH_COLLECTIVE_TIMEOUT_S"
 # The longest a worker may go without a beat when its timeout is derived from its own
 # beats (``hang_timeout_s: auto``), and what such a job is sent as ``hang_timeout_s``.
 ADAPTIVE_HANG_CAP_S = 600.0
+# "cuda" or "cpu": the device the attempt was placed for (``Assignment.device``). With
+# "cuda" the agent also sets CUDA_VISIBLE_DEVICES to the attempt's GPUs on the node, so
+# that local rank n is visible device n.
+DEVICE_ENV = "RELAUNCH_DEVICE"
+MAX_GPUS_PER_NODE = 64
+
+Device = Literal["cpu", "cuda"]
+
+
+class GpuInfo(BaseModel):
+    """One GPU of a node, as its agent found it (NVML) or was told (RELAUNCH_AGENT_GPUS)."""
+
+    index: int = Field(ge=0, lt=MAX_GPUS_PER_NODE, description="The GPU's index on its node")
+    name: PlainText = Field(default="", max_length=128, description="Its model, as NVML names it")
+    uuid: PlainText | None = Field(default=None, max_length=128)
+    memory_total_bytes: int | None = Field(default=None, ge=0, le=2**50)
+
+
+class GpuUsage(BaseModel):
+    """One GPU's use when the agent last looked (each heartbeat)."""
+
+    index: int = Field(ge=0, lt=MAX_GPUS_PER_NODE)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
+    memory_used_bytes: int | None = Field(default=None, ge=0, le=2**50)
 
 
 class NodeRegister(BaseModel):
@@ -55,6 +79,25 @@ class NodeRegister(BaseModel):
     address: PlainText = Field(min_length=1, max_length=255)
     slots: int = Field(ge=1, le=1024)
     pid: int = Field(ge=0, le=2**31 - 1)
+    gpus: list[GpuInfo] = Field(
+        default_factory=list,
+        max_length=MAX_GPUS_PER_NODE,
+        description="The node's GPUs, indices distinct; empty on a CPU node",
+    )
+    gpu_driver: PlainText | None = Field(default=None, max_length=64)
+    cuda_version: PlainText | None = Field(default=None, max_length=32)
+    cpus: int | None = Field(
+        default=None, ge=1, le=65536, description="The cores the agent's workers may use"
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct_indices(cls, gpus: list[GpuInfo]) -> list[GpuInfo]:
+        indices = [g.index for g in gpus]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"GPU indices must be distinct, got {sorted(indices)}")
+        return gpus
+
     node_token: str | None = Field(
         default=None,
         max_length=128,
@@ -187,6 +230,17 @@ class Assignment(BaseModel):
         "by one with each node that joins. A node that joined after the workers formed may "
         "stand in for one that is gone, so equal counts say nothing then",
     )
+    device: Device = Field(
+        default="cpu",
+        description="What the attempt was placed for: 'cuda' on GPUs (nproc_per_node of them "
+        "on each node, ``gpus``), 'cpu' on a whole node",
+    )
+    gpus: list[int] = Field(
+        default_factory=list,
+        max_length=MAX_GPUS_PER_NODE,
+        description="The indices of this node's GPUs that the attempt holds, one per local "
+        "rank; the agent makes them the workers' CUDA_VISIBLE_DEVICES. Empty for 'cpu'",
+    )
 
 
 class RunningAttempt(BaseModel):
@@ -197,6 +251,7 @@ class RunningAttempt(BaseModel):
 
 class Heartbeat(BaseModel):
     running: list[RunningAttempt] = Field(default_factory=list, max_length=10_000)
+    gpus: list[GpuUsage] = Field(default_factory=list, max_length=MAX_GPUS_PER_NODE)
 
 
 class HeartbeatReply(BaseModel):
