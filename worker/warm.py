@@ -388,18 +388,22 @@ class Zygote:
             raise ZygoteBroke(f"an unknown message: {sorted(message)[:5]}")
 
     def _lost(self) -> None:
-        self.gone.set()
-        self.ready.set()  # wake whoever waits for it
-        for pending in list(self._pending.values()):
-            if not pending.ready.is_set():
-                pending.refusal = "the zygote is gone"
-                pending.ready.set()
+        self.gone.set()  # no fork from here on
         for worker in list(self._workers.values()):
             worker.orphan()
         self._workers.clear()
         with contextlib.suppress(OSError):
             self._sock.close()
-        self._on_change(self, "lost", "")
+        # The verdict (give up, or start another) comes before anyone waiting is woken, so
+        # that a worker that waited for this zygote starts cold for the reason it gives.
+        try:
+            self._on_change(self, "lost", "")
+        finally:
+            self.ready.set()
+            for pending in list(self._pending.values()):
+                if not pending.ready.is_set():
+                    pending.refusal = "the zygote is gone"
+                    pending.ready.set()
 
     def usable(self, timeout: float) -> str | None:
         """None once the zygote is ready; else why it is not."""
@@ -541,7 +545,8 @@ class WarmStarter:
                     # Waited once for all: the next ranks and restarts start cold at once.
                     self._give_up(waited, zygote)
                     zygote.stop()
-            raise ColdStart(waited)
+                # A zygote that died was judged before the wait ended (``Zygote._lost``).
+                raise ColdStart(self.given_up or waited)
         reason = cold_start_reason(args, env, zygote.env)
         if reason is not None:
             raise ColdStart(reason)
