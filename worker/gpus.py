@@ -277,18 +277,19 @@ def device_variables(assignment: Assignment, *, cpus: int, node_gpus: int) -> di
     """What the agent sets for an attempt's workers to use their device.
 
     ``RELAUNCH_DEVICE``; for a GPU attempt ``CUDA_VISIBLE_DEVICES`` = its GPUs (local rank
-    n uses visible device n) in NVML's PCI bus order, for a CPU attempt none at all
-    (empty), so that it cannot take GPUs that other attempts hold; and
+    n uses visible device n) numbered as NVML does (``CUDA_DEVICE_ORDER=PCI_BUS_ID``),
+    for a CPU attempt none at all (empty), so that it cannot take GPUs that other
+    attempts hold; and
     ``OMP_NUM_THREADS`` by ``threads_per_worker``. The first three win over the job's
     env (``AGENT_DEVICE_VARIABLES``); OMP_NUM_THREADS is the job's to choose, so the
     caller sets it only where the job's env does not.
     """
-    variables: dict[str, str] = {DEVICE_ENV: assignment.device}
-    if assignment.device == "cuda":
-        variables[CUDA_VISIBLE_DEVICES_ENV] = ",".join(map(str, assignment.gpus))
-        variables[CUDA_DEVICE_ORDER_ENV] = "PCI_BUS_ID"
-    else:
-        variables[CUDA_VISIBLE_DEVICES_ENV] = ""
+    visible = ",".join(map(str, assignment.gpus)) if assignment.device == "cuda" else ""
+    variables = {
+        DEVICE_ENV: assignment.device,
+        CUDA_VISIBLE_DEVICES_ENV: visible,
+        CUDA_DEVICE_ORDER_ENV: "PCI_BUS_ID",
+    }
     threads = threads_per_worker(
         cpus=cpus,
         nproc_per_node=assignment.nproc_per_node,

@@ -269,6 +269,7 @@ def test_a_cpu_attempt_sees_no_gpu() -> None:
     assert variables == {
         "RELAUNCH_DEVICE": "cpu",
         "CUDA_VISIBLE_DEVICES": "",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "OMP_NUM_THREADS": "16",
     }
 
