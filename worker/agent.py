@@ -397,6 +397,15 @@ def run_agent(settings: AgentSettings) -> int:
     if refusal is not None:
         logger.error("node=%s cannot start: %s", settings.name, refusal)
         return 1
+    inherited = os.environ.get(gpus.CUDA_VISIBLE_DEVICES_ENV)
+    if inherited is not None and settings.gpus is None:
+        logger.warning(
+            "node=%s CUDA_VISIBLE_DEVICES=%s in the agent's environment limits nothing: NVML "
+            "ignores it, and each attempt's workers get their own; offer fewer GPUs with "
+            "RELAUNCH_AGENT_GPUS",
+            settings.name,
+            inherited,
+        )
     try:
         inventory = gpus.GpuInventory.open(settings.gpus, gpus.load_nvml())
     except ValueError as exc:

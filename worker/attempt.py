@@ -218,7 +218,8 @@ def build_launcher_env(
     controller's URL and the attempt's worker token (good for their job's snapshot
     fence only), never the node's token. The device variables are the agent's
     (``gpus.device_variables``, for a node of ``node_gpus`` GPUs), except OMP_NUM_THREADS
-    where the job's env sets it."""
+    where the job's env sets it, or else the agent's own environment (its operator's
+    choice for every job)."""
     env = {
         k: v
         for k, v in base_env.items()
@@ -267,7 +268,7 @@ def build_launcher_env(
     env.setdefault(NCCL_ASYNC_ERROR_HANDLING_ENV, "1")
     env[SNAPSHOT_ASYNC_ENV] = "1" if assignment.snapshot_async else "0"
     devices = device_variables(assignment, cpus=settings.cpus, node_gpus=node_gpus)
-    if OMP_NUM_THREADS_ENV in assignment.env:
+    if OMP_NUM_THREADS_ENV in env:  # the job's own choice, or the agent's environment's
         devices.pop(OMP_NUM_THREADS_ENV)
     env.update(devices)
     if GLOO_IFNAME_ENV not in env:

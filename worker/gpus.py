@@ -7,7 +7,7 @@ initialised once when the agent starts (``GpuInventory.open``) and shut down whe
 stops (``close``); each heartbeat then costs two queries per GPU (``usage``).
 
 Indices are NVML's, which numbers GPUs in PCI bus order. CUDA numbers them fastest
-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the agent sets for a GPU attempt's
+first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the agent sets for every attempt's
 workers (``device_variables``), so that an index means the same GPU to both.
 
 Where NVML is missing (no NVIDIA driver: ``libnvidia-ml.so`` cannot be loaded) or fails,
@@ -31,7 +31,8 @@ CUDA_DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
 OMP_NUM_THREADS_ENV = "OMP_NUM_THREADS"
 # What the agent sets for an attempt's workers whatever the job's env asks.
 AGENT_DEVICE_VARIABLES = frozenset({DEVICE_ENV, CUDA_VISIBLE_DEVICES_ENV, CUDA_DEVICE_ORDER_ENV})
-_NAME_MAX = 128  # contract.protocol.GpuInfo
+_NAME_MAX = 128  # contract.protocol.GpuInfo.name and .uuid
+_DRIVER_MAX = 64  # contract.protocol.NodeRegister.gpu_driver
 _MAX_BYTES = 2**50  # contract.protocol.GpuInfo and GpuUsage
 T = TypeVar("T")
 
@@ -69,9 +70,10 @@ def cuda_version_text(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
-def _text(value: str | bytes) -> str:
-    text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    return text.strip()[:_NAME_MAX]
+def _text(value: str | bytes, limit: int) -> str:
+    """What NVML wrote, as the wire takes it: text, no NUL, at most ``limit`` characters."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return text.replace("\x00", "").strip()[:limit]
 
 
 def _bytes(value: int) -> int:
@@ -169,7 +171,11 @@ class GpuInventory:
                 continue
             handles[index] = handle
             gpus.append(_describe(nvml, index, handle))
-        driver = _ask(nvml, "the driver version", lambda: _text(nvml.nvmlSystemGetDriverVersion()))
+        driver = _ask(
+            nvml,
+            "the driver version",
+            lambda: _text(nvml.nvmlSystemGetDriverVersion(), _DRIVER_MAX),
+        )
         cuda = _ask(
             nvml,
             "the CUDA driver version",
@@ -231,8 +237,12 @@ class GpuInventory:
 
 
 def _describe(nvml: Nvml, index: int, handle: Any) -> GpuInfo:
-    name = _ask(nvml, f"GPU {index}'s name", lambda: _text(nvml.nvmlDeviceGetName(handle)))
-    uuid = _ask(nvml, f"GPU {index}'s UUID", lambda: _text(nvml.nvmlDeviceGetUUID(handle)))
+    name = _ask(
+        nvml, f"GPU {index}'s name", lambda: _text(nvml.nvmlDeviceGetName(handle), _NAME_MAX)
+    )
+    uuid = _ask(
+        nvml, f"GPU {index}'s UUID", lambda: _text(nvml.nvmlDeviceGetUUID(handle), _NAME_MAX)
+    )
     memory = _ask(
         nvml, f"GPU {index}'s memory", lambda: _bytes(nvml.nvmlDeviceGetMemoryInfo(handle).total)
     )
@@ -282,7 +292,7 @@ def device_variables(assignment: Assignment, *, cpus: int, node_gpus: int) -> di
     attempts hold; and
     ``OMP_NUM_THREADS`` by ``threads_per_worker``. The first three win over the job's
     env (``AGENT_DEVICE_VARIABLES``); OMP_NUM_THREADS is the job's to choose, so the
-    caller sets it only where the job's env does not.
+    caller sets it only where the job's env (or the agent's own environment) does not.
     """
     visible = ",".join(map(str, assignment.gpus)) if assignment.device == "cuda" else ""
     variables = {

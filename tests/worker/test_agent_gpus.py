@@ -171,3 +171,24 @@ def test_an_agent_told_of_a_gpu_nvml_does_not_find_does_not_start(
         assert run_agent(settings) == 1
     assert "RELAUNCH_AGENT_GPUS names GPU(s) 5, but NVML finds 4 GPU(s)" in caplog.text
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
+
+
+class _Reached(Exception):
+    """The agent went on to reach the controller."""
+
+
+def test_cuda_visible_devices_in_the_agents_environment_is_said_to_limit_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = FakeNvml(four_gpus())
+    monkeypatch.setattr(gpus, "load_nvml", lambda: nvml)
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise _Reached
+
+    monkeypatch.setattr(agent_module, "ControllerClient", reached)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with caplog.at_level(logging.WARNING, logger="worker.agent"), pytest.raises(_Reached):
+        run_agent(_settings(tmp_path, isolation="none"))
+    assert "CUDA_VISIBLE_DEVICES=1 in the agent's environment limits nothing" in caplog.text
+    assert (nvml.inits, nvml.shutdowns) == (1, 1)  # shut down however the agent ends

@@ -88,7 +88,7 @@ def test_a_cpu_attempt_on_a_gpu_node_sees_no_gpu(tmp_path: Path) -> None:
 
 
 def test_the_jobs_env_cannot_choose_the_devices_nor_can_the_agents_own(tmp_path: Path) -> None:
-    inherited = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "7", "OMP_NUM_THREADS": "1"}
+    inherited = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "7"}
     for assignment, visible in (
         (_assignment(env=JOB_ASKS), ""),
         (_assignment(env=JOB_ASKS, device="cuda", gpus=[5, 6]), "5,6"),
@@ -98,7 +98,6 @@ def test_the_jobs_env_cannot_choose_the_devices_nor_can_the_agents_own(tmp_path:
             assert env["CUDA_VISIBLE_DEVICES"] == visible
             assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
             assert env["RELAUNCH_DEVICE"] == assignment.device
-            assert env["OMP_NUM_THREADS"] != "1"  # the agent's rule, not what it inherited
         # What reaches the workers from the job's env alone holds none of them.
         assert not set(JOB_ASKS) & set(job_env_overlay(workers, launcher))
 
@@ -109,6 +108,18 @@ def test_the_jobs_own_omp_num_threads_stands(tmp_path: Path) -> None:
     assert workers["OMP_NUM_THREADS"] == "3"
     assert launcher["OMP_NUM_THREADS"] == "16"  # the launcher's own: 32 cores, 2 workers
     assert job_env_overlay(workers, launcher)["OMP_NUM_THREADS"] == "3"
+
+
+def test_an_omp_num_threads_the_agent_was_started_with_holds_for_every_job(
+    tmp_path: Path,
+) -> None:
+    """Its operator's choice (the tests' agents run with 1): only a job's own beats it."""
+    inherited = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    workers, launcher = _envs(_assignment(), tmp_path, node_gpus=0, base=inherited)
+    assert workers["OMP_NUM_THREADS"] == launcher["OMP_NUM_THREADS"] == "1"
+    own = _assignment(env={"OMP_NUM_THREADS": "6"})
+    workers, _ = _envs(own, tmp_path, node_gpus=0, base=inherited)
+    assert workers["OMP_NUM_THREADS"] == "6"
 
 
 @pytest.mark.parametrize("job_env", [{}, {"OMP_NUM_THREADS": "3"}], ids=["agents", "jobs"])
@@ -163,6 +174,7 @@ def test_a_started_attempt_gives_the_launcher_and_the_workers_the_agents_devices
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     envs = _never_launched(monkeypatch)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the agent's environment is ours
     assignment = _assignment(
         env={**JOB_ASKS, "OMP_NUM_THREADS": "5"}, device="cuda", gpus=[1, 2], working_dir=None
     )
