@@ -6,9 +6,11 @@ One loop on one thread owns everything (``NodeAgent.run``):
    left behind (pid ledger), then register (retrying until the controller answers;
    a refused enrolment token ends the agent instead, since asking again cannot help),
    presenting the node token a previous life saved (``worker.node_token``): the
-   name of a node that is still ALIVE is given back only to its token's holder;
-2. every heartbeat interval: send the running attempts, receive the complete
-   set of assignments, and reconcile: start those not running, stop those no
+   name of a node that is still ALIVE is given back only to its token's holder.
+   The registration offers the node's cores and GPUs (``worker.gpus``: found once,
+   by ``run_agent``, before the loop starts);
+2. every heartbeat interval: send the running attempts and the GPUs' use, receive
+   the complete set of assignments, and reconcile: start those not running, stop those no
    longer assigned (``plan_reconcile`` decides, the loop acts); end the workers
    of an attempt that lost a member, so they re-form at once
    (``Attempt.follow_membership``);
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from contract.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
-from worker import node_token, procs, sandbox
+from worker import gpus, node_token, procs, sandbox
 from worker.attempt import Attempt, attempt_marker
 from worker.client import (
     ControllerClient,
@@ -108,10 +110,12 @@ class NodeAgent:
         settings: AgentSettings,
         client: ControllerClient,
         clock: Callable[[], float] = time.monotonic,
+        inventory: gpus.GpuInventory | None = None,
     ) -> None:
         self._settings = settings
         self._client = client
         self._clock = clock
+        self._inventory = inventory if inventory is not None else gpus.GpuInventory()
         self._stop = threading.Event()
         self._attempts: dict[int, Attempt] = {}
         self._finished: deque[RunKey] = deque(maxlen=_REMEMBERED_FINISHED)
@@ -208,6 +212,10 @@ class NodeAgent:
             slots=self._settings.slots,
             pid=os.getpid(),
             node_token=node_token.load(self._token_file),
+            gpus=list(self._inventory.gpus),
+            gpu_driver=self._inventory.driver,
+            cuda_version=self._inventory.cuda_version,
+            cpus=self._settings.cpus,
         )
         try:
             reply = self._client.register(body)
@@ -258,7 +266,10 @@ class NodeAgent:
     def _heartbeat(self) -> None:
         if self._node_id is None:
             return
-        body = Heartbeat(running=[a.running_info() for a in self._attempts.values()])
+        body = Heartbeat(
+            running=[a.running_info() for a in self._attempts.values()],
+            gpus=self._inventory.usage(),
+        )
         try:
             reply = self._client.heartbeat(self._node_id, body)
         except UnknownNodeError:
@@ -276,7 +287,9 @@ class NodeAgent:
             {aid: a.assignment.member_id for aid, a in self._attempts.items()},
         )
         for assignment in plan.start:
-            attempt = Attempt(assignment, self._settings, self._client.node_token)
+            attempt = Attempt(
+                assignment, self._settings, self._client.node_token, self._inventory.indices
+            )
             self._attempts[assignment.attempt_id] = attempt
             attempt.start()
         for aid in plan.stop:
@@ -376,16 +389,34 @@ def run_agent(settings: AgentSettings) -> int:
 
     0 after a signal; 1 when the controller refused the enrolment token (the
     reason is logged), so that a restart policy, not this loop, decides whether to retry;
-    1 too when the isolation cannot be had (the reason is logged).
+    1 too when the isolation cannot be had, or RELAUNCH_AGENT_GPUS names a GPU that
+    NVML does not find (the reason is logged).
     """
     sandbox.forget_credentials()
     refusal = sandbox.start_refusal(settings.isolation, settings.job_uid_base, settings.work_dir)
     if refusal is not None:
         logger.error("node=%s cannot start: %s", settings.name, refusal)
         return 1
-    with ControllerClient(settings.controller_url, settings.token) as client:
-        try:
-            NodeAgent(settings, client).run()
-        except EnrolmentRefusedError:
-            return 1
+    inherited = os.environ.get(gpus.CUDA_VISIBLE_DEVICES_ENV)
+    if inherited is not None and settings.gpus is None:
+        logger.warning(
+            "node=%s CUDA_VISIBLE_DEVICES=%s in the agent's environment limits nothing: NVML "
+            "ignores it, and each attempt's workers get their own; offer fewer GPUs with "
+            "RELAUNCH_AGENT_GPUS",
+            settings.name,
+            inherited,
+        )
+    try:
+        inventory = gpus.GpuInventory.open(settings.gpus, gpus.load_nvml())
+    except ValueError as exc:
+        logger.error("node=%s cannot start: %s", settings.name, exc)
+        return 1
+    try:
+        with ControllerClient(settings.controller_url, settings.token) as client:
+            try:
+                NodeAgent(settings, client, inventory=inventory).run()
+            except EnrolmentRefusedError:
+                return 1
+    finally:
+        inventory.close()
     return 0

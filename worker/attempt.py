@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,6 +62,12 @@ from contract.protocol import (
     RunningAttempt,
 )
 from worker import procs, sandbox
+from worker.gpus import (
+    AGENT_DEVICE_VARIABLES,
+    OMP_NUM_THREADS_ENV,
+    device_refusal,
+    device_variables,
+)
 from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.settings import AgentSettings
 
@@ -204,12 +210,16 @@ def build_launcher_env(
     events_file: Path,
     base_env: Mapping[str, str],
     progress_dir: Path | None = None,
+    node_gpus: int = 0,
 ) -> dict[str, str]:
     """The launcher's environment; its workers inherit it. Ours wins over ``assignment.env``.
 
     The agent's own settings and credentials are left out: the workers get the
     controller's URL and the attempt's worker token (good for their job's snapshot
-    fence only), never the node's token."""
+    fence only), never the node's token. The device variables are the agent's
+    (``gpus.device_variables``, for a node of ``node_gpus`` GPUs), except OMP_NUM_THREADS
+    where the job's env sets it, or else the agent's own environment (its operator's
+    choice for every job)."""
     env = {
         k: v
         for k, v in base_env.items()
@@ -257,6 +267,10 @@ def build_launcher_env(
     # dead peer costs a restart, not a wait forever. The job's env may choose otherwise.
     env.setdefault(NCCL_ASYNC_ERROR_HANDLING_ENV, "1")
     env[SNAPSHOT_ASYNC_ENV] = "1" if assignment.snapshot_async else "0"
+    devices = device_variables(assignment, cpus=settings.cpus, node_gpus=node_gpus)
+    if OMP_NUM_THREADS_ENV in env:  # the job's own choice, or the agent's environment's
+        devices.pop(OMP_NUM_THREADS_ENV)
+    env.update(devices)
     if GLOO_IFNAME_ENV not in env:
         # Without it gloo binds to what the hostname resolves to, often 127.0.x.1, and
         # tells its peers on other hosts to connect there. The job's env may override it.
@@ -308,12 +322,17 @@ class Attempt:
     """
 
     def __init__(
-        self, assignment: Assignment, settings: AgentSettings, node_token: str | None = None
+        self,
+        assignment: Assignment,
+        settings: AgentSettings,
+        node_token: str | None = None,
+        node_gpus: Sequence[int] = (),
     ) -> None:
         self.assignment = assignment
         self.attempt_id = assignment.attempt_id
         self._settings = settings
         self._node_token = node_token
+        self._node_gpus = tuple(node_gpus)  # the indices of the GPUs the agent offers
         # Absolute: the launcher runs in the job's working directory, not the agent's.
         self.dir = inside(settings.work_dir, "attempts", str(assignment.attempt_id)).absolute()
         self.events_path = self.dir / "events.jsonl"
@@ -345,12 +364,26 @@ class Attempt:
 
     def start(self) -> None:
         """Start the launcher; a start that fails becomes a failed exit, a fatal one
-        (the job fails at once, no restart) if the job's working_dir is missing here."""
+        (the job fails at once, no restart) if the job's working_dir is missing here.
+        GPUs this node does not offer fail the start too, not fatally: the controller
+        places the next attempt by the node's inventory."""
         unusable = missing_working_dir(self.assignment, self._settings.name)
         if unusable is not None:
             logger.error("%s cannot start: %s", self._ctx, unusable)
             self.exit = AttemptExit(outcome="failed", message=unusable, fatal=True)
             return
+        refusal = device_refusal(self.assignment, self._node_gpus)
+        if refusal is not None:
+            logger.error("%s cannot start: %s", self._ctx, refusal)
+            self.exit = AttemptExit(outcome="failed", message=f"cannot start: {refusal}")
+            return
+        overridden = sorted(AGENT_DEVICE_VARIABLES & set(self.assignment.env))
+        if overridden:
+            logger.warning(
+                "%s the job's env sets %s; the agent's values replace them",
+                self._ctx,
+                ", ".join(overridden),
+            )
         try:
             user = sandbox.job_user(
                 self._settings.isolation, self._settings.job_uid_base, self.assignment.job_id
@@ -375,6 +408,7 @@ class Attempt:
                 events_file=self.events_path,
                 base_env=os.environ,
                 progress_dir=self.progress_dir,
+                node_gpus=len(self._node_gpus),
             )
             # The launcher runs as root: it never sees the job's variables in its own
             # environment; they reach only the workers, through a file of root's.
@@ -384,6 +418,7 @@ class Attempt:
                 events_file=self.events_path,
                 base_env=os.environ,
                 progress_dir=self.progress_dir,
+                node_gpus=len(self._node_gpus),
             )
             sandbox.write_job_env(box.job_env_file, sandbox.job_env_overlay(worker_env, env))
             command = [

@@ -36,6 +36,20 @@ def agent(
     slots: Annotated[
         int | None, typer.Option(help="Worker processes this node takes (default: 1)")
     ] = None,
+    gpus: Annotated[
+        str | None,
+        typer.Option(
+            help="GPUs to offer: 'none', or NVML indices such as 0,2,3 (default: every GPU "
+            "NVML finds; without NVML, listed indices are trusted as GPUs of unknown model)"
+        ),
+    ] = None,
+    cpus: Annotated[
+        int | None,
+        typer.Option(
+            help="Cores this node's workers may use, which sizes their thread pools "
+            "(default: the cores the agent may run on)"
+        ),
+    ] = None,
     work_dir: Annotated[
         Path | None,
         typer.Option(
@@ -72,6 +86,8 @@ def agent(
         ("name", name),
         ("address", address),
         ("slots", slots),
+        ("gpus", gpus),
+        ("cpus", cpus),
         ("work_dir", work_dir),
         ("enrolment_token_file", enrolment_token_file),
     ):

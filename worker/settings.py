@@ -11,12 +11,12 @@ import re
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from contract.protocol import DEFAULT_CONTROLLER_URL
+from contract.protocol import DEFAULT_CONTROLLER_URL, MAX_GPUS_PER_NODE
 
 NODE_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
 
@@ -25,6 +25,48 @@ def default_node_name() -> str:
     """This host's name, reduced to the characters a node name may hold."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
     return name or "node"
+
+
+def parse_gpu_selection(value: object) -> tuple[int, ...] | None:
+    """RELAUNCH_AGENT_GPUS as the indices it selects: None (unset or blank) for every GPU
+    NVML finds, ``()`` for ``none``, else the distinct indices of a comma-separated list.
+
+    ``ValueError`` for anything else: a word, a negative or repeated index, one past
+    ``MAX_GPUS_PER_NODE``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return None
+        if text.lower() == "none":
+            return ()
+        parts: list[object] = [part.strip() for part in text.split(",")]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        raise ValueError(f"expected 'none' or GPU indices such as 0,2,3, got {value!r}")
+    indices = []
+    for part in parts:
+        if isinstance(part, bool) or not (
+            isinstance(part, int) or (isinstance(part, str) and part.isdigit())
+        ):
+            raise ValueError(
+                f"expected 'none' or GPU indices such as 0,2,3 (unset: every GPU NVML "
+                f"finds), got {value!r}"
+            )
+        index = int(part)
+        if index >= MAX_GPUS_PER_NODE:
+            raise ValueError(f"GPU index {index} is beyond the {MAX_GPUS_PER_NODE} a node may have")
+        indices.append(index)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"GPU indices must be distinct, got {value!r}")
+    return tuple(sorted(indices))
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask, which a cgroup's cpuset sets)."""
+    return len(os.sched_getaffinity(0))
 
 
 def _default_work_dir(data: dict[str, Any]) -> Path:
@@ -90,6 +132,21 @@ class AgentSettings(BaseSettings):
         description="Per-node state: attempt dirs, pid ledger (default ~/.relaunch/agent/<name>; "
         "as root /var/lib/relaunch-agent/<name>)",
     )
+    gpus: Annotated[tuple[int, ...] | None, NoDecode] = Field(
+        default=None,
+        description="The GPUs this agent offers: unset, every GPU NVML finds; 'none', no GPU; "
+        "'0,2,3', those of NVML's indices only (an index NVML does not find stops the agent). "
+        "Without NVML (no NVIDIA driver) listed indices are trusted as GPUs of unknown model, "
+        "which also lets a CPU-only test cluster pretend to have GPUs",
+    )
+    cpus: int = Field(
+        default_factory=usable_cpus,
+        ge=1,
+        le=65536,
+        description="The cores this agent's workers may use, which sizes their thread pools "
+        "(OMP_NUM_THREADS); default: the cores this process may run on. Give each of several "
+        "agents on one host its share",
+    )
     report_interval_s: float = Field(default=0.5, gt=0, le=60)
     stop_grace_s: float = Field(
         default=5.0,
@@ -104,6 +161,11 @@ class AgentSettings(BaseSettings):
         if not re.match(r"^https?://[^/\s]+", value):
             raise ValueError(f"controller_url must be an http(s) URL, got {value!r}")
         return value.rstrip("/")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _parse_gpus(cls, value: object) -> tuple[int, ...] | None:
+        return parse_gpu_selection(value)
 
     @field_validator("address")
     @classmethod
