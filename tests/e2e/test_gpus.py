@@ -39,7 +39,9 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
                 "RELAUNCH_AGENT_CPUS": str(CPUS),
                 "RELAUNCH_AGENT_SLOTS": "2",
             }
-            c.start_agent(name, extra_env=settings)
+            # The agents of the other tests inherit OMP_NUM_THREADS=1, which holds for all
+            # their jobs; these find the thread count by the rule.
+            c.start_agent(name, prefix=["env", "-u", "OMP_NUM_THREADS"], extra_env=settings)
         c.wait_nodes(len(NODES))
         yield c
 
