@@ -47,7 +47,7 @@ def train(snapshot_dir: Path, events: Path | None = None, **overrides: Any) -> T
         dataset,
         nn.functional.cross_entropy,
         TrainerConfig(**fields),
-        DistEnv(),
+        DistEnv(device="cpu"),
         events=EventWriter(events),
     )
     return trainer.train()
