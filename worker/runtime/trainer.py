@@ -56,7 +56,7 @@ from worker.runtime.model_prep import (
 )
 from worker.runtime.progress import beat, beating
 from worker.runtime.sampler import ResumableDistributedSampler, steps_left
-from worker.runtime.saver import SnapshotSaver
+from worker.runtime.saver import SnapshotSaver, copy_off
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
 from worker.runtime.state_capture import capture_state, restore_state
 
@@ -212,7 +212,7 @@ class Trainer:
             )
             output = cfg.final_output_path
             if self.rank == 0:
-                state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+                state = copy_off(self.model.state_dict())
                 atomic_torch_save(state, output, self._check_writer)
                 self.events.emit(
                     TrainingFinished(step=self.step, loss=loss, output_path=str(output))
