@@ -64,19 +64,34 @@ PEER_LOST_MARKERS = (
     "ncclRemoteError",
     "remote process exited or there was a network error",
 )
-# A collective that waited out the process group's timeout. A peer may have frozen, or
-# the ranks called different collectives (a bug that a free restart would repeat
-# forever): charged as a crash, as gloo's "Timed out waiting" is, also where it is the
-# reason a communicator was aborted. ``ncclSystemError`` (a local system call, memory
-# or device failure) and ``ncclUnhandledCudaError`` are crashes as well.
-COLLECTIVE_TIMEOUT_MARKERS = ("Watchdog caught collective operation timeout",)
+# What overrides the markers above: the collective failed for a reason of this rank or of
+# the whole group, not because a peer went away, also where the text says so as the
+# reason ("Original reason for failure was: ...") a communicator was aborted. A crash,
+# charged:
+# - a collective that waited out the process group's timeout (NCCL's watchdog). A peer
+#   may have frozen, or the ranks called different collectives, a bug that free
+#   restarts would repeat forever; gloo's timeout ("Timed out waiting") is a crash too.
+# - NCCL's local errors: a system call, memory or device failure (ncclSystemError,
+#   "unhandled system error"), CUDA (ncclUnhandledCudaError), NCCL's own bug
+#   (ncclInternalError) and misuse (ncclInvalidUsage, ncclInvalidArgument). Since NCCL
+#   2.12 a peer's closed connection is ncclRemoteError, not ncclSystemError.
+CHARGED_MARKERS = (
+    "Watchdog caught collective operation timeout",
+    "ncclSystemError",
+    "unhandled system error",
+    "ncclUnhandledCudaError",
+    "unhandled cuda error",
+    "ncclInternalError",
+    "ncclInvalidUsage",
+    "ncclInvalidArgument",
+)
 
 
 def message_says_peer_lost(message: str) -> bool:
-    """Whether an error's text says a collective broke because a peer went away, and not
-    because it timed out (the markers above)."""
+    """Whether an error's text says a collective broke because a peer went away, and
+    for no reason of its own (the markers above)."""
     return any(m in message for m in PEER_LOST_MARKERS) and not any(
-        m in message for m in COLLECTIVE_TIMEOUT_MARKERS
+        m in message for m in CHARGED_MARKERS
     )
 
 

@@ -165,8 +165,8 @@ class Supervision:
         4. a start-up error (``STARTUP_ERRORS`` by type, ``NO_DEVICE_MARKERS`` by
            text): ``startup_error``, fatal;
         5. a collective that broke because a peer went away, gloo's or NCCL's
-           (``worker.bootstrap.message_says_peer_lost``; a collective timeout is not
-           one): ``peer_lost``, free;
+           (``worker.bootstrap.message_says_peer_lost``; a collective timeout or a
+           local NCCL error is not one): ``peer_lost``, free;
         6. anything else, a signal included: ``crash``. NCCL's watchdog ends a process
            with SIGABRT where ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears it down (1, 3);
            no error file says why then, so that is a crash too.

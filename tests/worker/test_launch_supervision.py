@@ -98,6 +98,9 @@ _TIMED_OUT = (
         (_raised(_NCCL + "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL "
                  "version 2.27.5\nncclSystemError: System call (e.g. socket, malloc) or "
                  "external library call failed or device error."), "crash", False),
+        (_raised("DistBackendError: NCCL communicator was aborted on rank 0. Original reason "
+                 "for failure was: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO "
+                 "for details)"), "crash", False),
         (Failure(0, 10, -6, "Signal 6 (SIGABRT) received by PID 10", error_file="<N/A>"),
          "crash", False),
         (_raised("DeviceShortage: 1 CUDA device(s) visible (CUDA_VISIBLE_DEVICES='3') but 2 "
@@ -111,7 +114,8 @@ _TIMED_OUT = (
                  "1b000"), "startup_error", True),
     ],
     ids=["nccl-remote-error", "nccl-aborted-for-a-lost-peer", "nccl-aborted-for-a-timeout",
-         "nccl-timeout", "nccl-system-error", "nccl-watchdog-abort", "device-shortage",
+         "nccl-timeout", "nccl-system-error", "nccl-aborted-for-a-system-error",
+         "nccl-watchdog-abort", "device-shortage",
          "invalid-device-ordinal", "no-gpu", "duplicate-gpu"],
 )  # fmt: skip
 def test_nccl_and_cuda_failures_are_classified(
