@@ -1,8 +1,9 @@
 """Snapshot benchmark: what saving costs training, synchronous against background writes.
 
 Trains an MLP whose model plus SGD-momentum state is about 100 MB with the real
-``Trainer`` (world size 1, gloo) on generated data, three ways, interleaved in
-each repeat so that the machine's noise hits all three alike:
+``Trainer`` (world size 1; gloo on the CPU, NCCL with ``--device cuda``) on
+generated data, three ways, interleaved in each repeat so that the machine's noise
+hits all three alike:
 
 - ``none``: no periodic snapshot,
 - ``sync``: a snapshot every N steps written in the training thread,
@@ -15,7 +16,14 @@ one snapshot save (manifest, sha256, fsync) and one verified load, beside a
 plain ``torch.save`` of the same state and the raw write speed of the disk
 (``os.write`` of as many bytes, then fsync).
 
+With ``--device cuda`` it also measures the training thread's stall when a background
+snapshot of a model of ``--stall-gb`` GB (plus as much SGD momentum) is taken off the
+GPU: ``capture_state`` (pinned, non-blocking copies, one wait) and the hand-over to
+the writer thread, against copying the same state tensor by tensor with ``.cpu()``.
+It fails at once where torch sees no CUDA GPU.
+
     python -m bench.snapshots [--steps 250] [--every 50] [--repeats 3] [--dir DIR]
+                              [--device cuda [--stall-gb 1]]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -35,9 +44,11 @@ from rich.table import Table
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from contract.protocol import Device
 from worker.runtime.config import TrainerConfig
 from worker.runtime.env import DistEnv
 from worker.runtime.events import EventWriter
+from worker.runtime.saver import SnapshotSaver
 from worker.runtime.snapshot import TrainingState, load_latest_snapshot, save_snapshot
 from worker.runtime.state_capture import capture_state
 from worker.runtime.trainer import Trainer
@@ -72,7 +83,7 @@ def make_dataset(steps: int) -> TensorDataset:
 WARMUP_STEPS = 10  # the first steps pay for lazy initialisation; they are not timed
 
 
-def run(mode: str, steps: int, every: int, directory: Path) -> float:
+def run(mode: str, steps: int, every: int, directory: Path, device: Device = "cpu") -> float:
     """Steps per second of one training run in ``mode``, from step ``WARMUP_STEPS`` to
     the last step (the final, waited-for save after it is not timed)."""
     config = TrainerConfig(
@@ -93,7 +104,7 @@ def run(mode: str, steps: int, every: int, directory: Path) -> float:
         make_dataset(steps),
         nn.functional.cross_entropy,
         config,
-        DistEnv(),
+        DistEnv(device=device),
         events=EventWriter(events_path),
     )
     result = trainer.train()
@@ -159,28 +170,111 @@ def io_speeds(directory: Path, repeats: int) -> dict[str, list[float]]:
     return speeds
 
 
+STALL_WIDTH = 8192  # a square Linear layer of this width holds 256 MiB of fp32 weights
+
+
+def _blocking_copy(value: Any) -> Any:
+    """The state copied tensor by tensor with ``.cpu()``: what the stall is compared with."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _blocking_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_blocking_copy(item) for item in value)
+    return value
+
+
+def gpu_stall(directory: Path, repeats: int, gigabytes: float) -> dict[str, list[float]]:
+    """Seconds the training thread waits per background snapshot of a model of about
+    ``gigabytes`` GB on ``cuda:0`` (plus its SGD momentum), and per plain ``.cpu()``
+    copy of the same state. The GPU is idle when each timing starts."""
+    device = torch.device("cuda", 0)
+    layers = max(1, round(gigabytes * 1e9 / (STALL_WIDTH * STALL_WIDTH * 4)))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Linear(STALL_WIDTH, STALL_WIDTH, device=device) for _ in range(layers))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    inputs = torch.randn(64, STALL_WIDTH, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(inputs).square().mean().backward()
+        optimizer.step()
+
+    size_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    console.print(f"GPU stall: {layers} layers, model {size_gb:.2f} GB + as much momentum")
+    saver = SnapshotSaver(directory / "stall", keep=1, background=True)
+    stalls: dict[str, list[float]] = {"pinned": [], "blocking": []}
+    for repeat in range(repeats + 1):  # the first one warms the pinned host allocator
+        step()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        snapshot = capture_state(
+            model, optimizer, None, step=repeat, epoch=0, samples_consumed=0, world_size=1,
+            seed=0, device=device,
+        )  # fmt: skip
+        saver.submit(snapshot)
+        pinned = time.perf_counter() - started
+        del snapshot
+        saver.wait()  # the write itself is not the training thread's
+
+        step()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        copied = _blocking_copy((model.state_dict(), optimizer.state_dict()))
+        blocking = time.perf_counter() - started
+        del copied
+        label = "warm-up" if repeat == 0 else f"repeat {repeat}"
+        console.print(f"{label}: pinned {pinned:.3f} s, blocking .cpu() {blocking:.3f} s")
+        if repeat > 0:
+            stalls["pinned"].append(pinned)
+            stalls["blocking"].append(blocking)
+    return stalls
+
+
+def require_cuda() -> None:
+    """Fail with the reason where ``--device cuda`` cannot run."""
+    if torch.cuda.is_available():
+        return
+    built = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+    raise SystemExit(
+        f"--device cuda needs a CUDA GPU: torch {torch.__version__} (built {built}) sees none"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=250, help="training steps per run")
     parser.add_argument("--every", type=int, default=50, help="snapshot every N steps")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, help="where snapshots go (default: a temp dir)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where training runs"
+    )
+    parser.add_argument(
+        "--stall-gb", type=float, default=1.0, help="with --device cuda: the stall's model size"
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        require_cuda()
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         console.print(
             f"{args.steps} steps of batch {BATCH}, snapshot every {args.every} steps, "
-            f"{args.repeats} repeats, in {root}, torch threads {torch.get_num_threads()}"
+            f"{args.repeats} repeats, in {root}, torch threads {torch.get_num_threads()}, "
+            f"on {args.device}"
         )
         rates: dict[str, list[float]] = {mode: [] for mode in MODES}
         for repeat in range(args.repeats):
             order = MODES[repeat % 3 :] + MODES[: repeat % 3]  # no mode always goes first
             for mode in order:
-                rate = run(mode, args.steps, args.every, root / f"{mode}-{repeat}")
+                rate = run(mode, args.steps, args.every, root / f"{mode}-{repeat}", args.device)
                 rates[mode].append(rate)
                 console.print(f"repeat {repeat + 1} {mode}: {rate:.2f} steps/s")
         speeds = io_speeds(root, args.repeats)
+        stalls = gpu_stall(root, args.repeats, args.stall_gb) if args.device == "cuda" else None
 
     base = statistics.median(rates["none"])
     table = Table(title="Training throughput (median of repeats)")
@@ -209,6 +303,22 @@ def main(argv: list[str] | None = None) -> None:
             ", ".join(f"{s:.0f}" for s in speeds[key]),
         )
     console.print(io)
+
+    if stalls is not None:
+        stall = Table(title="Training thread's stall per snapshot off the GPU (median, s)")
+        for column in ("copy", "seconds", "runs"):
+            stall.add_column(column)
+        names = {
+            "pinned": "capture_state + hand-over (pinned, non-blocking, one wait)",
+            "blocking": "tensor by tensor .cpu() (for comparison)",
+        }
+        for key, label in names.items():
+            stall.add_row(
+                label,
+                f"{statistics.median(stalls[key]):.3f}",
+                ", ".join(f"{s:.3f}" for s in stalls[key]),
+            )
+        console.print(stall)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ and the markers that ``make test-fast`` leaves out.
 Every test under ``tests/e2e`` and ``tests/deploy`` is marked ``e2e`` (real processes, or
 the deployment), and every test that needs PostgreSQL is marked ``postgres``: the
 PostgreSQL half of ``db_url`` and whatever uses ``pg_database``.
+
+A test marked ``gpu`` needs a CUDA GPU. Where torch sees none it is skipped, and the
+skip says why (the one kind of skip the suite accepts without its own reason in the
+test): run ``pytest -m gpu`` on a GPU host to run them.
 """
 
 from __future__ import annotations
@@ -48,6 +52,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
         if "pg_database" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_tests and not _cuda_available():
+        skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {_why_no_cuda()}")
+        for item in gpu_tests:
+            item.add_marker(skip)
+
+
+def _cuda_available() -> bool:
+    """Asked only where a ``gpu`` test was collected: torch is not imported otherwise."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _why_no_cuda() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
 
 
 @pytest.fixture(scope="session", autouse=True)

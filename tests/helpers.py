@@ -10,8 +10,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from contract.protocol import DEVICE_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+# The CPU and gloo, asked for as the node agent asks for them (RELAUNCH_DEVICE): a test
+# about the CPU path, or one that runs several ranks on one host, says so and runs
+# alike on a GPU host, where the ranks would otherwise pick CUDA (and NCCL refuses
+# ranks that share a GPU).
+ON_CPU = {DEVICE_ENV: "cpu"}
 
 
 def subprocess_environ() -> dict[str, str]:

@@ -7,11 +7,15 @@ Usage (the node agent builds it; torchrun starts one per local rank)::
 
 The program runs unchanged: as ``__main__``, with ``sys.argv`` and (for a
 script) ``sys.path[0]`` as ``python SCRIPT`` / ``python -m MODULE`` set them. The
-bootstrap adds four things around it:
+bootstrap adds these things around it:
 
 - torch's ``@record``: an uncaught exception is written to the worker's error
   file, so the launcher learns its type (a start-up error such as an
   ``ImportError`` fails the job at once instead of restarting it);
+- with ``RELAUNCH_DEVICE=cuda``, a check that every local rank has a GPU of its
+  own before the program runs (``worker.runtime.devices.check_visible_devices``):
+  too few raise ``DeviceShortage``, a start-up error. In a warm worker this runs
+  in the forked child, never in the zygote;
 - ``faulthandler`` on SIGUSR1: the launcher sends it to take a stack dump of
   every thread of a hung worker, into the worker's stderr (the job's logs);
 - a count of optimizer steps (``worker.runtime.step_counter``): a script that
@@ -20,7 +24,7 @@ bootstrap adds four things around it:
 - the moments of the process's start (``worker.runtime.startup``): once torch
   is imported, and the first optimizer step;
 - a quick end after a collective broke because a peer went away
-  (``PEER_LOST_MARKERS``): once the error is recorded, the traceback printed and
+  (``message_says_peer_lost``): once the error is recorded, the traceback printed and
   the ``atexit`` handlers run, the process exits at once (status 1), skipping the
   interpreter's last garbage collection, in which the broken process group's
   queued work holds the exit for a second or more. Non-daemon threads are not
@@ -41,17 +45,54 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from worker.runtime.devices import check_visible_devices
+
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 # A collective that broke because a peer process or node went away (gloo on CPU, NCCL on
 # GPU). The failed peer, if it still lives, reports its own failure; this one is a
 # consequence, which the controller counts as a membership change, not a restart.
+# - gloo: the peer's socket closed or reset.
+# - NCCL: ``ncclRemoteError``, whose text is "remote process exited or there was a
+#   network error"; and "NCCL communicator was aborted on rank N", which torch raises in
+#   the rank's own thread when its communicator was aborted for an error it then names
+#   ("Original reason for failure was: ...").
 PEER_LOST_MARKERS = (
     "Connection reset by peer",
     "Connection closed by peer",
     "Broken pipe",
     "NCCL communicator was aborted",
     "ncclRemoteError",
+    "remote process exited or there was a network error",
 )
+# What overrides the markers above: the collective failed for a reason of this rank or of
+# the whole group, not because a peer went away, also where the text says so as the
+# reason ("Original reason for failure was: ...") a communicator was aborted. A crash,
+# charged:
+# - a collective that waited out the process group's timeout (NCCL's watchdog). A peer
+#   may have frozen, or the ranks called different collectives, a bug that free
+#   restarts would repeat forever; gloo's timeout ("Timed out waiting") is a crash too.
+# - NCCL's local errors: a system call, memory or device failure (ncclSystemError,
+#   "unhandled system error"), CUDA (ncclUnhandledCudaError), NCCL's own bug
+#   (ncclInternalError) and misuse (ncclInvalidUsage, ncclInvalidArgument). Since NCCL
+#   2.12 a peer's closed connection is ncclRemoteError, not ncclSystemError.
+CHARGED_MARKERS = (
+    "Watchdog caught collective operation timeout",
+    "ncclSystemError",
+    "unhandled system error",
+    "ncclUnhandledCudaError",
+    "unhandled cuda error",
+    "ncclInternalError",
+    "ncclInvalidUsage",
+    "ncclInvalidArgument",
+)
+
+
+def message_says_peer_lost(message: str) -> bool:
+    """Whether an error's text says a collective broke because a peer went away, and
+    for no reason of its own (the markers above)."""
+    return any(m in message for m in PEER_LOST_MARKERS) and not any(
+        m in message for m in CHARGED_MARKERS
+    )
 
 
 class EntrypointNotFound(ImportError):
@@ -84,9 +125,15 @@ def run_program(argv: Sequence[str]) -> None:
 
 
 def peer_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective's failure because a peer went away."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_LOST_MARKERS)
+    """Whether ``exc`` is a collective's failure because a peer went away (torch's
+    ``DistBackendError`` and gloo's errors are ``RuntimeError``s)."""
+    return isinstance(exc, RuntimeError) and message_says_peer_lost(str(exc))
+
+
+def run_worker(argv: Sequence[str]) -> None:
+    """Check this worker's devices, then run its program (``run_program``)."""
+    check_visible_devices(os.environ)
+    run_program(argv)
 
 
 def _exit_now(exc: BaseException) -> None:
@@ -108,7 +155,7 @@ def main() -> None:
     startup.mark(startup.Moment.IMPORTED)
     step_counter.install()
     try:
-        record(run_program)(sys.argv[1:])
+        record(run_worker)(sys.argv[1:])
     except Exception as exc:
         if not peer_lost(exc):
             raise

@@ -58,7 +58,7 @@ from contract.events import (
 from contract.labels import label_from_environ
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import procs, warm
-from worker.bootstrap import PEER_LOST_MARKERS, STACK_DUMP_SIGNAL
+from worker.bootstrap import STACK_DUMP_SIGNAL, message_says_peer_lost
 from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
@@ -97,7 +97,8 @@ def bounded(text: str) -> str:
 
 _HOOK_MARK = "_relaunch_event_hook"
 # Exception types (from a worker's error file) that no restart can fix: the
-# program cannot even start. ``EntrypointNotFound`` is worker.bootstrap's.
+# program cannot even start. ``EntrypointNotFound`` is worker.bootstrap's,
+# ``DeviceShortage`` worker.runtime.devices' (fewer GPUs visible than local ranks).
 STARTUP_ERRORS = (
     "ModuleNotFoundError",
     "ImportError",
@@ -105,6 +106,18 @@ STARTUP_ERRORS = (
     "IndentationError",
     "TabError",
     "EntrypointNotFound",
+    "DeviceShortage",
+)
+# Error texts, of any exception type, that say this worker has no GPU of its own to
+# use; a restart on the same node shows it no other, so they are start-up errors too.
+# CUDA answers "invalid device ordinal" for a ``cuda:N`` beyond the visible devices (a
+# program that picks its local rank where the node shows fewer GPUs), torch "No CUDA
+# GPUs are available" where none is visible, NCCL "Duplicate GPU detected" where two
+# ranks share one.
+NO_DEVICE_MARKERS = (
+    "CUDA error: invalid device ordinal",
+    "No CUDA GPUs are available",
+    "Duplicate GPU detected",
 )
 STACK_DUMP_WAIT_S = 1.0  # for faulthandler to write every thread's stack before SIGKILL
 
@@ -144,7 +157,20 @@ class Supervision:
             self.membership_file.unlink(missing_ok=True)
 
     def classify(self, failure: Any) -> tuple[str, bool]:
-        """(cause, fatal) of one torch ``ProcessFailure``."""
+        """(cause, fatal) of one torch ``ProcessFailure``, the first rule that fits:
+
+        1. the node agent ended the workers for a lost member: ``membership_change``;
+        2. this launcher ended it as hung: ``hang``;
+        3. an exit code the job calls fatal: ``fatal_exit_code``, fatal;
+        4. a start-up error (``STARTUP_ERRORS`` by type, ``NO_DEVICE_MARKERS`` by
+           text): ``startup_error``, fatal;
+        5. a collective that broke because a peer went away, gloo's or NCCL's
+           (``worker.bootstrap.message_says_peer_lost``; a collective timeout or a
+           local NCCL error is not one): ``peer_lost``, free;
+        6. anything else, a signal included: ``crash``. NCCL's watchdog ends a process
+           with SIGABRT where ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears it down (1, 3);
+           no error file says why then, so that is a crash too.
+        """
         if self.membership_changed():
             return "membership_change", False
         if failure.pid in self.hung_pids:
@@ -154,7 +180,9 @@ class Supervision:
         message = failure_message(failure)
         if message.split(":", 1)[0].strip() in STARTUP_ERRORS:
             return "startup_error", True
-        if any(marker in message for marker in PEER_LOST_MARKERS):
+        if any(marker in message for marker in NO_DEVICE_MARKERS):
+            return "startup_error", True
+        if message_says_peer_lost(message):
             return "peer_lost", False
         return "crash", False
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from contract.protocol import Assignment, Device, Entrypoint, RendezvousConfig
 from service.reconciler import Reconciler
 from tests.service.helpers import Cluster, heartbeat, register, submit
 from worker.attempt import Attempt
@@ -27,8 +27,11 @@ from worker.tasks import spirals
 SEED = 3
 
 
-def train(snapshot_dir: Path, events: Path | None = None, **overrides: Any) -> TrainResult:
-    """Spirals (BatchNorm + Adam) on 64 points: 8 steps per epoch, 3 epochs."""
+def train(
+    snapshot_dir: Path, events: Path | None = None, device: Device = "cpu", **overrides: Any
+) -> TrainResult:
+    """Spirals (BatchNorm + Adam) on 64 points: 8 steps per epoch, 3 epochs, on
+    ``device`` (the CPU unless a GPU test asks for CUDA)."""
     seed_everything(SEED)
     dataset = spirals.make_dataset(64, turns=1.5, noise=0.1)
     model = spirals.make_model(8)
@@ -47,7 +50,7 @@ def train(snapshot_dir: Path, events: Path | None = None, **overrides: Any) -> T
         dataset,
         nn.functional.cross_entropy,
         TrainerConfig(**fields),
-        DistEnv(),
+        DistEnv(device=device),
         events=EventWriter(events),
     )
     return trainer.train()

@@ -48,9 +48,13 @@ def _launch(
     max_restarts: int,
     rendezvous: list[str] | None = None,
     nproc: int = 2,
+    *,
+    extra_env: dict[str, str] | None = None,
+    bootstrap: bool = False,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Run one launcher to its end: its exit code and its events. ``rendezvous``: torchrun's
-    rendezvous arguments (default ``--standalone``)."""
+    rendezvous arguments (default ``--standalone``); ``bootstrap``: each worker starts in
+    ``worker.bootstrap``, as the node agent starts them."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     program = tmp_path / "train.py"
     program.write_text(script)
@@ -61,12 +65,12 @@ def _launch(
         *(rendezvous or ["--standalone"]), "--nproc-per-node", str(nproc),
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
         "--tee", "3", "--log-dir", str(tmp_path / "logs"),
-        str(program),
+        *(["-m", "worker.bootstrap"] if bootstrap else []), str(program),
     ]  # fmt: skip
     run = subprocess.run(
         argv,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})},
         capture_output=True,
         text=True,
         timeout=120,
@@ -164,3 +168,23 @@ def test_a_launcher_that_comes_after_the_rendezvous_closed_says_so(tmp_path: Pat
     assert _of("rendezvous", late_events) == []
     (exit_event,) = _of("launcher_exit", late_events)
     assert (exit_event["outcome"], exit_event["exitcode"]) == ("closed", RENDEZVOUS_CLOSED_EXIT)
+
+
+def test_a_cuda_attempt_with_too_few_gpus_fails_at_once_without_restarts(
+    tmp_path: Path,
+) -> None:
+    """Two local ranks placed for CUDA, no GPU visible to them (none here; hidden on a
+    GPU host): a start-up error, fatal, and the restarts left are not spent."""
+    cuda = {"RELAUNCH_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}
+    started = "from pathlib import Path\nPath(__file__).with_name('started').touch()\n"
+    code, events = _launch(tmp_path, started, max_restarts=3, extra_env=cuda, bootstrap=True)
+    assert code != 0
+    assert not (tmp_path / "started").exists(), "the program ran"
+    assert len(_of("rendezvous", events)) == 1, "a restart was spent"
+    failed = _of("worker_failed", events)
+    assert failed and all(f["cause"] == "startup_error" and f["fatal"] for f in failed)
+    assert "DeviceShortage" in failed[0]["message"]
+    assert "2 local rank(s) need one each" in failed[0]["message"]
+    (exit_event,) = _of("launcher_exit", events)
+    assert exit_event["outcome"] == "failed" and exit_event["fatal"]
+    assert "startup error" in exit_event["message"]

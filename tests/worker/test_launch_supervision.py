@@ -75,6 +75,58 @@ def test_failures_are_classified(tmp_path: Path, failure: Failure, cause: str, f
     assert supervision.classify(failure) == (cause, fatal)
 
 
+_NCCL = "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3356, "
+_TIMED_OUT = (
+    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+    "OpType=ALLREDUCE, NumelIn=4, NumelOut=4, Timeout(ms)=30000) ran for 30012 milliseconds "
+    "before timing out."
+)
+
+
+@pytest.mark.parametrize(
+    ("failure", "cause", "fatal"),
+    [
+        (_raised(_NCCL + "remote process exited or there was a network error, NCCL version "
+                 "2.27.5\nncclRemoteError: A call failed possibly due to a network error or a "
+                 "remote process exiting prematurely."), "peer_lost", False),
+        (_raised("DistBackendError: NCCL communicator was aborted on rank 1. Original reason "
+                 "for failure was: NCCL error: remote process exited or there was a network "
+                 "error"), "peer_lost", False),
+        (_raised("DistBackendError: NCCL communicator was aborted on rank 1. Original reason "
+                 f"for failure was: {_TIMED_OUT}"), "crash", False),
+        (_raised(f"DistBackendError: {_TIMED_OUT}"), "crash", False),
+        (_raised(_NCCL + "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL "
+                 "version 2.27.5\nncclSystemError: System call (e.g. socket, malloc) or "
+                 "external library call failed or device error."), "crash", False),
+        (_raised("DistBackendError: NCCL communicator was aborted on rank 0. Original reason "
+                 "for failure was: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO "
+                 "for details)"), "crash", False),
+        (Failure(0, 10, -6, "Signal 6 (SIGABRT) received by PID 10", error_file="<N/A>"),
+         "crash", False),
+        (_raised("DeviceShortage: 1 CUDA device(s) visible (CUDA_VISIBLE_DEVICES='3') but 2 "
+                 "local rank(s) need one each"), "startup_error", True),
+        (_raised("AcceleratorError: CUDA error: invalid device ordinal\nCUDA kernel errors "
+                 "might be asynchronously reported"), "startup_error", True),
+        (_raised("RuntimeError: No CUDA GPUs are available"), "startup_error", True),
+        (_raised(_NCCL + "invalid usage (run with NCCL_DEBUG=WARN for details)\n"
+                 "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+                 "Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device "
+                 "1b000"), "startup_error", True),
+    ],
+    ids=["nccl-remote-error", "nccl-aborted-for-a-lost-peer", "nccl-aborted-for-a-timeout",
+         "nccl-timeout", "nccl-system-error", "nccl-aborted-for-a-system-error",
+         "nccl-watchdog-abort", "device-shortage",
+         "invalid-device-ordinal", "no-gpu", "duplicate-gpu"],
+)  # fmt: skip
+def test_nccl_and_cuda_failures_are_classified(
+    tmp_path: Path, failure: Failure, cause: str, fatal: bool
+) -> None:
+    """A lost peer is free, a timeout or a local NCCL error is a crash, a rank without a
+    GPU of its own cannot start."""
+    supervision, _ = _supervision(tmp_path)
+    assert supervision.classify(failure) == (cause, fatal)
+
+
 def test_a_fatal_failure_is_recorded_with_its_reason(tmp_path: Path) -> None:
     supervision, path = _supervision(tmp_path)
     failures = {
@@ -180,9 +232,12 @@ def test_restart_back_off_doubles_up_to_the_cap() -> None:
     assert RestartPolicy(backoff_s=0).delay_s(4) == 0
 
 
-def _bootstrap(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _bootstrap(
+    tmp_path: Path, *args: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file), "PYTHONPATH": str(REPO)}
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "worker.bootstrap", *args],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
@@ -247,3 +302,45 @@ def test_a_worker_whose_collective_lost_its_peer_exits_without_the_last_collecti
     assert (tmp_path / "atexit").exists()
     # Only an ordinary end runs the last garbage collection, and with it __del__.
     assert (tmp_path / "finalized").exists() is not quick
+
+
+_MARKS_ITS_START = "from pathlib import Path\nPath(__file__).with_name('started').touch()\n"
+
+
+def test_the_bootstrap_refuses_to_start_a_cuda_worker_without_a_gpu_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """Two local ranks, no GPU visible (none here; hidden on a GPU host)."""
+    script = tmp_path / "train.py"
+    script.write_text(_MARKS_ITS_START)
+    cuda = {"RELAUNCH_DEVICE": "cuda", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
+    run = _bootstrap(tmp_path, str(script), extra_env=cuda)
+    assert run.returncode == 1
+    assert not (tmp_path / "started").exists()
+    text = (tmp_path / "error.json").read_text()
+    assert "DeviceShortage" in text and "2 local rank(s) need one each" in text
+
+
+def test_the_bootstrap_starts_a_cpu_worker_without_counting_gpus(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_MARKS_ITS_START)
+    cpu = {"RELAUNCH_DEVICE": "cpu", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
+    run = _bootstrap(tmp_path, str(script), extra_env=cpu)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "started").exists()
+
+
+@pytest.mark.parametrize(
+    ("message", "lost"),
+    [
+        ("NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited or there was a "
+         "network error, NCCL version 2.27.5", True),
+        ("NCCL communicator was aborted on rank 0. Original reason for failure was: "
+         "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)", False),
+    ],
+)  # fmt: skip
+def test_a_collective_that_timed_out_did_not_lose_its_peer(message: str, lost: bool) -> None:
+    """The bootstrap's quick end and the launcher's free restart read the same rule."""
+    from worker.bootstrap import peer_lost
+
+    assert peer_lost(RuntimeError(message)) is lost

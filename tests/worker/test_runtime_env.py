@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import ON_CPU
 from worker.runtime.config import TrainerConfig
+from worker.runtime.devices import DeviceShortage
 from worker.runtime.env import (
     DistEnv,
     Launcher,
@@ -71,7 +73,7 @@ def test_the_collective_timeout_comes_from_the_job_spec_through_the_environment(
 
 def test_the_process_group_waits_the_collective_timeout() -> None:
     """What the Trainer does: ``init_distributed(env)`` with the env it read."""
-    init_distributed(DistEnv.from_environ({"RELAUNCH_COLLECTIVE_TIMEOUT_S": "42"}))
+    init_distributed(DistEnv.from_environ({"RELAUNCH_COLLECTIVE_TIMEOUT_S": "42", **ON_CPU}))
     try:
         assert group_timeout() == timedelta(seconds=42)
     finally:
@@ -86,7 +88,7 @@ def group_timeout() -> timedelta:
 
 
 def test_single_process_group_without_launcher() -> None:
-    device = init_distributed(DistEnv())
+    device = init_distributed(DistEnv(device="cpu"))
     try:
         assert device == torch.device("cpu")
         assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
@@ -94,7 +96,7 @@ def test_single_process_group_without_launcher() -> None:
         dist.all_reduce(tensor)
         assert tensor.tolist() == [1.0, 1.0]
         with pytest.raises(RuntimeError, match="already"):
-            init_distributed(DistEnv())
+            init_distributed(DistEnv(device="cpu"))
     finally:
         shutdown_distributed()
     assert not dist.is_initialized()
@@ -230,3 +232,49 @@ def test_the_gpu_is_the_local_rank_among_those_the_process_sees(
     rank = {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0"}
     env = DistEnv.from_environ({**TORCHRUN_ENV, **rank, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"})
     assert device_for(env) == torch.device("cuda", index)
+
+
+def test_the_device_the_agent_asked_for_is_read() -> None:
+    assert DistEnv.from_environ({**TORCHRUN_ENV, "RELAUNCH_DEVICE": "cuda"}).device == "cuda"
+    assert DistEnv.from_environ({**TORCHRUN_ENV, **ON_CPU}).device == "cpu"
+    assert DistEnv.from_environ(TORCHRUN_ENV).device is None
+    with pytest.raises(ValueError, match="RELAUNCH_DEVICE"):
+        DistEnv.from_environ({**TORCHRUN_ENV, "RELAUNCH_DEVICE": "tpu"})
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, visible: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+
+
+def test_cpu_asked_for_is_the_cpu_where_gpus_are_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpus(monkeypatch, 4)
+    assert device_for(DistEnv.from_environ({**TORCHRUN_ENV, **ON_CPU})) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(("local_rank", "index"), [(0, 0), (1, 1)])
+def test_cuda_asked_for_is_the_local_ranks_own_gpu(
+    monkeypatch: pytest.MonkeyPatch, local_rank: int, index: int
+) -> None:
+    """The agent shows the attempt exactly its GPUs: local rank n is visible device n."""
+    _gpus(monkeypatch, 2)
+    rank = {"LOCAL_RANK": str(local_rank), "RELAUNCH_DEVICE": "cuda"}
+    assert device_for(DistEnv.from_environ({**TORCHRUN_ENV, **rank})) == torch.device("cuda", index)
+
+
+@pytest.mark.parametrize("visible", [0, 1])
+def test_cuda_asked_for_with_too_few_gpus_is_a_device_shortage(
+    monkeypatch: pytest.MonkeyPatch, visible: int
+) -> None:
+    _gpus(monkeypatch, visible)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    env = DistEnv.from_environ({**TORCHRUN_ENV, "LOCAL_RANK": "0", "RELAUNCH_DEVICE": "cuda"})
+    with pytest.raises(DeviceShortage, match=f"{visible} CUDA device.*'5'.*2 local rank"):
+        device_for(env)
+
+
+def test_nothing_asked_for_keeps_cuda_where_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpus(monkeypatch, 0)
+    assert device_for(DistEnv.from_environ(TORCHRUN_ENV)) == torch.device("cpu")
+    _gpus(monkeypatch, 1)
+    assert device_for(DistEnv.from_environ(TORCHRUN_ENV)) == torch.device("cuda", 0)

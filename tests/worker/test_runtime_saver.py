@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import REPO_ROOT, subprocess_environ
+from tests.helpers import ON_CPU, REPO_ROOT, subprocess_environ
 from tests.worker.helpers import assert_same_state, final_state, make_snapshot, train
 from worker.runtime import saver as saver_module
 from worker.runtime.config import TrainerConfig
@@ -54,6 +54,25 @@ def test_copy_off_detaches_from_the_live_tensors() -> None:
     assert copied["n"] == 3
 
 
+def test_copy_off_keeps_the_structure_and_waits_for_no_gpu_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_cuda(*_: Any) -> None:
+        raise AssertionError("a CPU-only state waited for a GPU")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
+    weight = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    state = {"w": weight, "pair": (strided, "adam"), "steps": [torch.tensor(3), 7]}
+    copied = copy_off(state)
+    assert copied.keys() == state.keys() and isinstance(copied["pair"], tuple)
+    assert copied["pair"][1] == "adam" and copied["steps"][1] == 7
+    assert torch.equal(copied["w"], weight) and not copied["w"].requires_grad
+    assert torch.equal(copied["pair"][0], strided)
+    assert torch.equal(copied["steps"][0], torch.tensor(3))
+    assert copied["w"].data_ptr() != weight.data_ptr()
+
+
 def test_a_save_due_while_one_is_in_flight_is_dropped_not_doubled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -79,8 +98,11 @@ def test_a_save_due_while_one_is_in_flight_is_dropped_not_doubled(
     assert writing.wait(30) and saver.in_flight
     assert not saver.submit(make_snapshot(20))
     assert saver.dropped == 1
+    assert saver.drop_if_busy(25), "the trainer's check before it copies the state"
+    assert saver.dropped == 2
     release.set()
     saver.wait()
+    assert not saver.drop_if_busy(30)
     assert saver.submit(make_snapshot(30))
     saver.wait()
     assert active["max"] == 1
@@ -199,7 +221,7 @@ def run_sample_ids_job(nproc: int, out: Path, snapshots: Path, *extra: str) -> N
         "--snapshots", str(snapshots), *extra,
     ]  # fmt: skip
     proc = subprocess.run(
-        cmd, env=subprocess_environ(), capture_output=True, text=True, timeout=180
+        cmd, env={**subprocess_environ(), **ON_CPU}, capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -256,7 +278,7 @@ def test_a_resumed_trainer_restores_its_grad_scaler(tmp_path: Path) -> None:
             dataset,
             nn.functional.mse_loss,
             config,
-            DistEnv(),
+            DistEnv(device="cpu"),
             grad_scaler=scaler,
         )
 

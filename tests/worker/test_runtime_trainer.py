@@ -90,7 +90,7 @@ def test_regression_loss_falls(
         dataset,
         nn.functional.mse_loss,
         config,
-        DistEnv(),
+        DistEnv(device="cpu"),
         events=EventWriter(events),
     )
     result = trainer.train()
@@ -112,7 +112,7 @@ def test_short_last_batch_is_dropped_for_batchnorm(tmp_path: Path) -> None:
         spirals.make_dataset(65, turns=1.5, noise=0.1),
         nn.functional.cross_entropy,
         config,
-        DistEnv(),
+        DistEnv(device="cpu"),
     )
     result = trainer.train()
     assert result.finished and result.step == 16

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import subprocess_environ
+from tests.helpers import ON_CPU, subprocess_environ
 from worker.runtime.slurm import port_for_job
 from worker.tasks import regression
 
@@ -71,6 +71,7 @@ def finished_run(workdir: Path) -> Run:
 def task_environ(workdir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {
         **subprocess_environ(),
+        **ON_CPU,  # two ranks on one host
         "RELAUNCH_EVENTS_FILE": str(workdir / "events.jsonl"),
         **(extra or {}),
     }

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from contract.protocol import DEVICE_ENV
+from tests.helpers import ON_CPU
 from worker.tasks import charlm, regression, spirals
 
 REGRESSION = [
@@ -52,10 +54,11 @@ def test_regression_resumes_exactly_after_a_stop(
     read_events: Callable[[Path], list[dict[str, Any]]],
 ) -> None:
     events = tmp_path / "events.jsonl"
-    env = {**subprocess_env, "RELAUNCH_EVENTS_FILE": str(events)}
+    on_cpu = {**subprocess_env, **ON_CPU}  # two ranks on one host; exact resumes on the CPU
+    env = {**on_cpu, "RELAUNCH_EVENTS_FILE": str(events)}
 
     reference = tmp_path / "reference"
-    run([*torchrun(2), *REGRESSION, "--snapshot-dir", str(reference)], subprocess_env, tmp_path)
+    run([*torchrun(2), *REGRESSION, "--snapshot-dir", str(reference)], on_cpu, tmp_path)
 
     resumed = tmp_path / "resumed"
     run([*torchrun(2), *REGRESSION, "--snapshot-dir", str(resumed), "--stop-after-steps", "11"],
@@ -87,6 +90,7 @@ def test_regression_resumes_exactly_after_a_stop(
     # (256 - 3 * 16 * 2 = 160 samples: 10 steps of 16), then epoch 2 (16 steps)
     single_events = tmp_path / "single.jsonl"
     monkeypatch.setenv("RELAUNCH_EVENTS_FILE", str(single_events))
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
     assert regression.main([*REGRESSION[2:], "--snapshot-dir", str(stopped_copy)]) == 0
     single = read_events(single_events)
     assert single[0]["kind"] == "started"
@@ -105,7 +109,8 @@ def test_plain_torchrun_script(
 ) -> None:
     out = tmp_path / "result.json"
     script = repo_root / "examples" / "torchrun_script.py"
-    result = run([*torchrun(2), str(script), "--out", str(out)], subprocess_env, tmp_path)
+    env = {**subprocess_env, **ON_CPU}  # two ranks on one host
+    result = run([*torchrun(2), str(script), "--out", str(out)], env, tmp_path)
     assert "done rank=0 world=2" in result.stdout
     assert "done rank=1 world=2" in result.stdout
     data = json.loads(out.read_text())

@@ -6,6 +6,8 @@ them does not pull in the others):
 - ``env``: the launcher's environment (``DistEnv``: torchrun's, else srun's, read
   by ``slurm``) and process-group set-up; ``local_launch`` starts a world on one
   machine with ``mp.spawn``, each child given torchrun's variables.
+- ``devices``: the device the node agent placed a worker for (``RELAUNCH_DEVICE``)
+  and ``DeviceShortage``, the start-up check that every local rank has a GPU.
 - ``events``: ``EventWriter``, rank 0's JSON-lines channel to the node agent.
 - ``snapshot``: ``TrainingState``, what a snapshot holds; its manifest, atomic save
   and newest verified load; ``storage`` where the files live (a directory or an

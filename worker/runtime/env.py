@@ -15,6 +15,11 @@ Which launcher, by precedence (``Launcher``):
    ``SLURM_NTASKS`` mean ``srun`` started this task (see ``worker.runtime.slurm``
    for the variables read and how the tasks agree on an address and port).
 3. Neither: a single process.
+
+Which device, by ``RELAUNCH_DEVICE`` (the node agent's, see ``worker.runtime.devices``):
+``cpu`` is the CPU and gloo even where CUDA is available; ``cuda`` is
+``cuda:<local_rank>`` and NCCL, with a GPU visible for every local rank; unset, CUDA
+where available, else the CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from contract.protocol import COLLECTIVE_TIMEOUT_ENV
+from contract.protocol import COLLECTIVE_TIMEOUT_ENV, Device
+from worker.runtime.devices import check_device_count, requested_device
 from worker.runtime.slurm import is_srun_task, slurm_task
 
 logger = logging.getLogger(__name__)
@@ -88,7 +94,9 @@ class DistEnv:
     this process; under any but ``NONE`` (``launched``) it expects a process group of
     ``world_size`` at ``MASTER_ADDR``/``MASTER_PORT`` (torchrun) or at
     ``master_addr``/``master_port`` (Slurm, where both are always set).
-    ``collective_timeout`` is what one collective may wait for its peers.
+    ``collective_timeout`` is what one collective may wait for its peers. ``device``
+    is what the node agent placed the attempt for (``RELAUNCH_DEVICE``); None where
+    nobody said (``device_for``).
     """
 
     rank: int = 0
@@ -101,6 +109,7 @@ class DistEnv:
     master_port: int | None = None
     launcher: Launcher = Launcher.NONE
     collective_timeout: timedelta = DEFAULT_PG_TIMEOUT
+    device: Device | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -154,6 +163,7 @@ class DistEnv:
             master_port=_int_var(environ, MASTER_PORT_ENV, 0) if master_port_raw else None,
             launcher=Launcher.TORCHRUN if launched else Launcher.NONE,
             collective_timeout=_timeout_var(environ, COLLECTIVE_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT),
+            device=requested_device(environ),
         )
 
     @classmethod
@@ -169,16 +179,27 @@ class DistEnv:
             master_port=task.master_port,
             launcher=Launcher.SLURM,
             collective_timeout=_timeout_var(environ, COLLECTIVE_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT),
+            device=requested_device(environ),
         )
 
 
 def device_for(env: DistEnv) -> torch.device:
-    """``cuda:<local_rank modulo the visible GPUs>`` when CUDA is available, else the CPU.
+    """The device this rank computes on, by ``env.device`` (the module docstring's rule).
 
-    A launcher that binds GPUs to tasks (``srun --gpus-per-task=1``, ``--gpu-bind``, a
-    per-task ``CUDA_VISIBLE_DEVICES``) shows each process fewer GPUs than its node's
-    tasks, often just its own as ``cuda:0``; the local rank alone would name one it
-    cannot see."""
+    - ``"cpu"``: the CPU, whatever GPUs the process sees.
+    - ``"cuda"``: ``cuda:<local_rank>``; raises ``DeviceShortage`` unless at least
+      ``local_world_size`` devices are visible (none are without CUDA).
+    - None: ``cuda:<local_rank modulo the visible GPUs>`` when CUDA is available,
+      else the CPU. A launcher that binds GPUs to tasks (``srun --gpus-per-task=1``,
+      ``--gpu-bind``, a per-task ``CUDA_VISIBLE_DEVICES``) shows each process fewer
+      GPUs than its node's tasks, often just its own as ``cuda:0``; the local rank
+      alone would name one it cannot see.
+    """
+    if env.device == "cpu":
+        return torch.device("cpu")
+    if env.device == "cuda":
+        check_device_count(torch.cuda.device_count(), env.local_world_size)
+        return torch.device("cuda", env.local_rank)
     if torch.cuda.is_available():
         return torch.device("cuda", env.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -187,7 +208,9 @@ def device_for(env: DistEnv) -> torch.device:
 def init_distributed(env: DistEnv, timeout: timedelta | None = None) -> torch.device:
     """Join the default process group and return the device this rank computes on.
 
-    CUDA: nccl, after ``torch.cuda.set_device(local_rank)``. CPU: gloo. Under
+    The device is ``device_for(env)`` (raising ``DeviceShortage`` where ``cuda`` was
+    asked for and a local rank has no GPU). CUDA: nccl, after
+    ``torch.cuda.set_device(device)``. CPU: gloo. Under
     torchrun the group comes from the ``env://`` variables; under Slurm from a
     TCPStore that rank 0 serves at ``master_addr:master_port``; without a
     launcher a private single-process gloo group is built on a loopback TCPStore

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from contract.events import (
@@ -53,10 +52,11 @@ from worker.runtime.model_prep import (
     SchedulerFactory,
     prepare_model,
     seed_everything,
+    wrap_ddp,
 )
 from worker.runtime.progress import beat, beating
 from worker.runtime.sampler import ResumableDistributedSampler, steps_left
-from worker.runtime.saver import SnapshotSaver
+from worker.runtime.saver import SnapshotSaver, copy_off
 from worker.runtime.snapshot import Manifest, atomic_torch_save, load_latest_snapshot
 from worker.runtime.state_capture import capture_state, restore_state
 
@@ -150,8 +150,7 @@ class Trainer:
         self._load_snapshot()
         beat()
 
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=True)
+        self.ddp = wrap_ddp(model, self.device)
         self.dataset = dataset
         self.sampler = ResumableDistributedSampler(
             dataset, num_replicas=self.world_size, rank=self.rank, seed=config.seed
@@ -213,7 +212,7 @@ class Trainer:
             )
             output = cfg.final_output_path
             if self.rank == 0:
-                state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+                state = copy_off(self.model.state_dict())
                 atomic_torch_save(state, output, self._check_writer)
                 self.events.emit(
                     TrainingFinished(step=self.step, loss=loss, output_path=str(output))
@@ -357,6 +356,8 @@ class Trainer:
     def _submit_snapshot(self, wait: bool) -> None:
         if wait:
             self.saver.wait()  # a save still in flight first, so this one is not dropped
+        elif self.saver.drop_if_busy(self.step):
+            return  # not copied: the next save is due (a copy off the GPU is not free)
         snapshot = capture_state(
             self.model,
             self.optimizer,
