@@ -261,11 +261,11 @@ def plan(
     for job in pending:
         device = resolve_device(job.spec.device, with_gpus > 0)
         per_node = job.spec.nproc_per_node
-        fitting, gpus = room.fitting(device, per_node)
+        fitting = room.fitting(device, per_node)
         if len(fitting) >= job.spec.min_nodes:
-            chosen, chosen_gpus = tuple(fitting[: job.spec.max_nodes]), gpus[: job.spec.max_nodes]
-            actions.append(PlaceJob(job.id, chosen, device, chosen_gpus))
-            room = room.taking(device, chosen, chosen_gpus)
+            chosen, gpus = _chosen(device, fitting[: job.spec.max_nodes])
+            actions.append(PlaceJob(job.id, chosen, device, gpus))
+            room = room.taking(device, chosen, gpus)
             continue
         # Nodes placed for an older job in this pass count as busy: they are, next pass.
         asked: tuple[object, ...]
@@ -288,14 +288,13 @@ def plan(
         room_for = job.spec.max_nodes - len(remaining)
         if room_for <= 0 or job.attempt_id is None:
             continue
-        fitting, gpus = room.fitting(job.device, job.spec.nproc_per_node)
+        fitting = room.fitting(job.device, job.spec.nproc_per_node)
         # On "cuda" a member node may have GPUs to spare; the attempt takes a node once.
-        others = [i for i, node_id in enumerate(fitting) if node_id not in remaining][:room_for]
+        others = [(i, g) for i, g in fitting if i not in remaining][:room_for]
         if others:
-            chosen = tuple(fitting[i] for i in others)
-            chosen_gpus = tuple(gpus[i] for i in others) if gpus else ()
-            actions.append(AddMembers(job.id, job.attempt_id, chosen, chosen_gpus))
-            room = room.taking(job.device, chosen, chosen_gpus)
+            chosen, gpus = _chosen(job.device, others)
+            actions.append(AddMembers(job.id, job.attempt_id, chosen, gpus))
+            room = room.taking(job.device, chosen, gpus)
     return actions
 
 
@@ -313,12 +312,28 @@ class _BySlots:
         return self._ids[slots]
 
 
+# A node that may take an attempt, with the GPUs it would give it (none on "cpu").
+Fit = tuple[int, tuple[int, ...]]
+
+
+def _chosen(
+    device: Device, fits: Sequence[Fit]
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The node ids of ``fits`` by id, and on "cuda" each one's GPUs in the same order."""
+    ordered = sorted(fits)
+    gpus = tuple(g for _, g in ordered) if device == "cuda" else ()
+    return tuple(i for i, _ in ordered), gpus
+
+
 class _Room:
-    """What the alive nodes (by id) have free for a new attempt or member: for "cpu", the
-    nodes no attempt holds; for "cuda", the GPUs no attempt holds on the nodes that no
-    attempt on "cpu" holds (``whole``). ``held``: the GPUs held on each node that
-    attempts on "cuda" serve. Each question is worked out once; ``taking`` gives the
-    room that is left."""
+    """What the alive nodes have free for a new attempt or member.
+
+    On "cpu": the nodes no attempt holds with enough slots, those without GPUs first,
+    then by id. On "cuda": the nodes that no attempt on "cpu" holds (``whole``) with
+    enough GPUs that no attempt holds (``held``, by node), those with the fewest free
+    first (best fit: a job that fits a small node leaves a big one whole for a job that
+    needs it), then by id; each gives its lowest free indices. Each question is worked
+    out once; ``taking`` gives the room that is left."""
 
     def __init__(
         self, alive: Sequence[NodeView], whole: set[int], held: dict[int, set[int]]
@@ -326,26 +341,24 @@ class _Room:
         self._alive = alive
         self._whole = whole
         self._held = held
-        self._free_slots = _BySlots([n for n in alive if n.id not in whole and n.id not in held])
+        idle = [n for n in alive if n.id not in whole and n.id not in held]
+        self._idle = _BySlots(sorted(idle, key=lambda n: (bool(n.gpus), n.id)))
         self._free_gpus = {
             n.id: sorted(set(n.gpus) - held.get(n.id, set()))
             for n in alive
             if n.gpus and n.id not in whole
         }
-        self._by_count: dict[int, tuple[list[int], tuple[tuple[int, ...], ...]]] = {}
+        self._by_count: dict[int, list[Fit]] = {}
 
-    def fitting(
-        self, device: Device, per_node: int
-    ) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
-        """The nodes an attempt on ``device`` with ``per_node`` workers may take, in id
-        order, and on "cuda" the lowest ``per_node`` free GPUs of each (else ())."""
+    def fitting(self, device: Device, per_node: int) -> list[Fit]:
+        """The nodes an attempt on ``device`` with ``per_node`` workers may take, the ones
+        it should take first first."""
         if device == "cpu":
-            return self._free_slots.ids(per_node), ()
+            return [(i, ()) for i in self._idle.ids(per_node)]
         if per_node not in self._by_count:
-            fit = [
-                (i, free[:per_node]) for i, free in self._free_gpus.items() if len(free) >= per_node
-            ]
-            self._by_count[per_node] = ([i for i, _ in fit], tuple(tuple(g) for _, g in fit))
+            fits = [(i, free) for i, free in self._free_gpus.items() if len(free) >= per_node]
+            fits.sort(key=lambda fit: (len(fit[1]), fit[0]))
+            self._by_count[per_node] = [(i, tuple(free[:per_node])) for i, free in fits]
         return self._by_count[per_node]
 
     @functools.cached_property
