@@ -9,6 +9,7 @@ from typing import Literal
 
 import pytest
 
+from service.placement import resolve_device
 from service.reconciler import (
     Action,
     AddMembers,
@@ -17,7 +18,6 @@ from service.reconciler import (
     NodeView,
     PlaceJob,
     plan,
-    resolve_device,
 )
 from service.spec import JobSpec, TaskSpec
 from service.states import JobState, NodeState
