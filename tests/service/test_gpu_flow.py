@@ -7,10 +7,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from sqlalchemy import Engine, event
 
+from service.db import transaction
+from service.errors import StaleState
 from service.models import Role
-from service.reconciler import Reconciler
+from service.reconciler import PlaceJob, Reconciler
 from tests.helpers import FakeClock
 from tests.service.helpers import Cluster, bearer, heartbeat, job, register, submit
 
@@ -238,3 +241,28 @@ def test_bad_gpu_input_is_refused_with_a_reason(api: Cluster) -> None:
     hot = {"running": [], "gpus": [{"index": 0, "utilization_pct": 250}]}
     r = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json=hot)
     assert r.status_code == 422 and "utilization_pct" in r.text
+
+
+def test_a_placement_decided_on_stale_gpus_is_skipped(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """The apply step checks again, under the node's lock, that the GPUs are the node's and
+    free, and that no CPU job holds the node (nor a CUDA job one a CPU job would take)."""
+    node_id = register_gpu_node(api, "g", 2)
+    first = submit(api, "1")
+    reconciler.run_once()
+    assert job(api, first)["attempts"][0]["members"][0]["gpus"] == [0]
+    late = submit(api, "1", device="cuda")
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    for stale in [
+        PlaceJob(late, (node_id,), "cuda", ((0,),)),  # held by the first job
+        PlaceJob(late, (node_id,), "cuda", ((5,),)),  # not a GPU of the node
+        PlaceJob(late, (node_id,), "cuda", ((1, 1),)),  # one GPU twice
+        PlaceJob(late, (node_id,), "cpu"),  # a CUDA job holds the node
+    ]:
+        with pytest.raises(StaleState), transaction(factory) as session:
+            reconciler.apply(session, stale, clock())
+    assert job(api, late)["state"] == "PENDING"
+    with transaction(factory) as session:
+        reconciler.apply(session, PlaceJob(late, (node_id,), "cuda", ((1,),)), clock())
+    assert [m["gpus"] for m in job(api, late)["attempts"][0]["members"]] == [[1]]
