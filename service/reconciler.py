@@ -174,9 +174,11 @@ def plan(
       with a new membership, which its agent runs afresh.
 
     A node is held by one attempt on "cpu" (the whole node: ``nproc_per_node``
-    at most its slots) or by any number of attempts on "cuda", each on
-    ``nproc_per_node`` GPUs of its own, lowest indices first. A job's device is
-    resolved when it is placed (``resolve_device``); scale-up keeps the attempt's.
+    at most its slots; nodes without GPUs first) or by any number of attempts on
+    "cuda", each on ``nproc_per_node`` GPUs of its own: the nodes with the fewest
+    free GPUs that fit first, on each its lowest free indices (``placement.Room``).
+    A job's device is resolved when it is placed (``resolve_device``); scale-up
+    keeps the attempt's.
     """
     actions: list[Action] = []
     lost = {
