@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from contract.protocol import Assignment, Device, Entrypoint, RendezvousConfig
 from contract.tasks import TASKS, task_args
 from service import rendezvous
 from service.errors import StaleState
@@ -39,8 +40,18 @@ def running_attempt(session: Session, job_id: int) -> Attempt | None:
 
 
 def create_attempt(
-    session: Session, job: Job, nodes: list[Node], settings: ControllerSettings, now: datetime
+    session: Session,
+    job: Job,
+    nodes: list[Node],
+    settings: ControllerSettings,
+    now: datetime,
+    device: Device = "cpu",
+    gpus: Sequence[Sequence[int]] = (),
 ) -> Attempt:
+    """A RUNNING attempt of ``job`` on ``device``, with ``nodes`` as members; on "cuda",
+    ``gpus`` are the GPU indices each of them holds (in the same order)."""
+    if device == "cuda" and len(gpus) != len(nodes):
+        raise ValueError(f"an attempt on cuda needs GPUs for each of its {len(nodes)} nodes")
     number = job.attempt_count + 1
     attempt = Attempt(
         job_id=job.id,
@@ -50,18 +61,26 @@ def create_attempt(
         started_count=0,
         created_at=now,
         result="",
+        device=device,
     )
     session.add(attempt)
     job.attempt_count = number
     session.flush()
-    for node in nodes:
-        add_member(session, attempt, node, now)
+    for i, node in enumerate(nodes):
+        add_member(session, attempt, node, now, gpus[i] if device == "cuda" else ())
     return attempt
 
 
-def add_member(session: Session, attempt: Attempt, node: Node, now: datetime) -> AttemptMember:
+def add_member(
+    session: Session, attempt: Attempt, node: Node, now: datetime, gpus: Sequence[int] = ()
+) -> AttemptMember:
+    """``node`` joins ``attempt``, holding ``gpus`` (its GPU indices; on "cuda" only)."""
     member = AttemptMember(
-        attempt_id=attempt.id, node_id=node.id, state=MemberState.ACTIVE, joined_at=now
+        attempt_id=attempt.id,
+        node_id=node.id,
+        state=MemberState.ACTIVE,
+        joined_at=now,
+        gpus=list(gpus),
     )
     session.add(member)
     session.flush()
@@ -184,11 +203,13 @@ def assignment_for(
     keyring: Keyring,
     worker_token: str | None = None,
     member_id: int | None = None,
+    gpus: Sequence[int] = (),
 ) -> Assignment:
     """What a member node runs for ``attempt``: the job's env in the clear (only nodes
     are sent it), and, the first time, the worker token of its membership (``member_id``).
     It carries the attempt's membership generation, so the members re-form at once
-    when one of them is dropped."""
+    when one of them is dropped, and its device with the GPUs (``gpus``) the node's
+    membership holds."""
     spec = job.job_spec
     hang_timeout_s, hang_adaptive = spec.hang_timeout()
     return Assignment(
@@ -222,4 +243,6 @@ def assignment_for(
         membership_generation=membership_generation(attempt),
         active_members=sum(1 for m in attempt.members if m.state is MemberState.ACTIVE),
         memberships=len(attempt.members),
+        device="cuda" if attempt.device == "cuda" else "cpu",
+        gpus=list(gpus),
     )

@@ -239,7 +239,15 @@ def submit(
     ] = None,
     nnodes: Annotated[str | None, typer.Option(help="Nodes: 'N' or 'MIN:MAX' (default: 1)")] = None,
     nproc_per_node: Annotated[
-        int | None, typer.Option(help="Worker processes on each node (default: 1)")
+        int | None,
+        typer.Option(help="Worker processes on each node, on cuda one per GPU (default: 1)"),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="auto, cpu or cuda (default: auto: cuda if any alive node has GPUs when "
+            "the job is placed)"
+        ),
     ] = None,
     max_restarts: Annotated[
         int | None,
@@ -277,6 +285,7 @@ def submit(
     for key, value in (
         ("nnodes", nnodes),
         ("nproc_per_node", nproc_per_node),
+        ("device", device),
         ("max_restarts", max_restarts),
         ("working_dir", working_dir),
     ):
@@ -362,6 +371,16 @@ def status(
     raise typer.Exit(0 if job["state"] == "SUCCEEDED" else 1)
 
 
+def _member_text(member: dict[str, Any]) -> str:
+    """``active`` or, for a member holding GPUs, ``active, GPUs 0,1``."""
+    gpus = member.get("gpus") or []
+    if not gpus:
+        return str(member["state"].lower())
+    return (
+        f"{member['state'].lower()}, GPU{'s' if len(gpus) > 1 else ''} {','.join(map(str, gpus))}"
+    )
+
+
 def _status_lines(job: dict[str, Any]) -> list[str]:
     """The lines above the timeline, as markup: state and progress, message, attempts."""
     lines = [
@@ -373,8 +392,9 @@ def _status_lines(job: dict[str, Any]) -> list[str]:
     if job["message"]:
         lines.append(f"message: {escape(job['message'])}")
     for attempt in job["attempts"]:
-        nodes = ", ".join(f"{m['node_name']}({m['state'].lower()})" for m in attempt["members"])
-        lines.append(f"  attempt {attempt['number']} {attempt['state']}: {escape(nodes)}")
+        nodes = ", ".join(f"{m['node_name']}({_member_text(m)})" for m in attempt["members"])
+        on = " on cuda" if attempt.get("device") == "cuda" else ""
+        lines.append(f"  attempt {attempt['number']} {attempt['state']}{on}: {escape(nodes)}")
     return lines
 
 

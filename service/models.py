@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -28,6 +29,9 @@ from sqlalchemy.types import TypeDecorator
 from service.secrets import public_spec
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
+
+# An empty JSON list, for rows made before a list column existed.
+_EMPTY_LIST = text("'[]'")
 
 # SQLite keeps integer primary keys only as INTEGER; other databases get BIGINT.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -173,6 +177,8 @@ class Attempt(Base):
     created_at: Mapped[datetime]
     ended_at: Mapped[datetime | None]
     result: Mapped[str] = mapped_column(Text, default="")
+    # "cpu" or "cuda", as placed (``JobSpec.device`` resolved); every member runs on it.
+    device: Mapped[str] = mapped_column(String(8), default="cpu", server_default="cpu")
 
     job: Mapped[Job] = relationship(back_populates="attempts")
     members: Mapped[list[AttemptMember]] = relationship(
@@ -196,6 +202,8 @@ class AttemptMember(Base):
     # sha256 of the secret the node's workers show to the controller (the snapshot fence);
     # a new one is issued whenever the node is sent the assignment before it runs it.
     worker_token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
+    # The indices of the node's GPUs this membership holds, one per local rank (CUDA only).
+    gpus: Mapped[list[int]] = mapped_column(JSON, default=list, server_default=_EMPTY_LIST)
 
     attempt: Mapped[Attempt] = relationship(back_populates="members")
     node: Mapped[Node] = relationship()
@@ -253,6 +261,21 @@ class Node(Base):
     last_heartbeat_at: Mapped[datetime]
     # sha256 of the token issued at the node's last registration; its agent's credential.
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
+    # What its agent said at its last registration: ``contract.protocol.GpuInfo`` dumps.
+    gpus: Mapped[list[dict[str, Any]]] = mapped_column(
+        JSON, default=list, server_default=_EMPTY_LIST
+    )
+    # Its last heartbeat's ``contract.protocol.GpuUsage`` dumps.
+    gpu_usage: Mapped[list[dict[str, Any]]] = mapped_column(
+        JSON, default=list, server_default=_EMPTY_LIST
+    )
+    gpu_driver: Mapped[str | None] = mapped_column(String(64))
+    cuda_version: Mapped[str | None] = mapped_column(String(32))
+    cpus: Mapped[int | None] = mapped_column(Integer)
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        return sorted(int(g["index"]) for g in self.gpus)
 
 
 class JobEvent(Base):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import ColumnElement, func, select
@@ -52,9 +54,16 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
             registered_at=now,
             last_heartbeat_at=now,
         )
+        _take_inventory(node, body)
         session.add(node)
         session.flush()
-        logger.info("node=%s registered name=%s address=%s", node.id, node.name, node.address)
+        logger.info(
+            "node=%s registered name=%s address=%s gpus=%d",
+            node.id,
+            node.name,
+            node.address,
+            len(node.gpus),
+        )
         return node
     for member in memberships(session, node.id):
         drop_member(session, member, now, "its agent restarted")
@@ -63,8 +72,17 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
         raise StaleState(f"node {node.id} is no longer {node.state}")
     node.address, node.slots, node.pid = body.address, body.slots, body.pid
     node.registered_at, node.last_heartbeat_at = now, now
-    logger.info("node=%s registered again name=%s", node.id, node.name)
+    _take_inventory(node, body)
+    logger.info("node=%s registered again name=%s gpus=%d", node.id, node.name, len(node.gpus))
     return node
+
+
+def _take_inventory(node: Node, body: NodeRegister) -> None:
+    """What the registration says the node has, in place of what it said before; the use
+    of GPUs it no longer has is forgotten."""
+    node.gpus = [g.model_dump() for g in sorted(body.gpus, key=lambda g: g.index)]
+    node.gpu_usage = []
+    node.gpu_driver, node.cuda_version, node.cpus = body.gpu_driver, body.cuda_version, body.cpus
 
 
 def holds_token(node: Node, body: NodeRegister) -> bool:
@@ -123,15 +141,17 @@ def heartbeat(
     now: datetime,
     keyring: Keyring,
 ) -> HeartbeatReply:
-    """Record that the node lives (a LOST or LEFT node is ALIVE again) and answer with
-    everything it must run now, env values decrypted with ``keyring``."""
+    """Record that the node lives (a LOST or LEFT node is ALIVE again) and how its GPUs are
+    used, in one UPDATE, and answer with everything it must run now, env values decrypted
+    with ``keyring``."""
     node = get_node(session, node_id, for_update=True)
+    usage = [u.model_dump() for u in body.gpus]
     if node.state is not NodeState.ALIVE:
-        if not transition(session, node, NodeState.ALIVE, last_heartbeat_at=now):
+        if not transition(session, node, NodeState.ALIVE, last_heartbeat_at=now, gpu_usage=usage):
             raise StaleState(f"node {node.id} is no longer {node.state}")
         logger.info("node=%s name=%s is back", node.id, node.name)
     else:
-        node.last_heartbeat_at = now
+        node.last_heartbeat_at, node.gpu_usage = now, usage
     running = {r.attempt_id for r in body.running}
     return HeartbeatReply(assignments=assignments_for(session, node_id, settings, keyring, running))
 
@@ -154,26 +174,41 @@ def assignments_for(
             keyring,
             None if m.attempt_id in running else issue_worker_token(m),
             member_id=m.id,
+            gpus=m.gpus,
         )
         for m in memberships(session, node_id)
     ]
 
 
+@dataclass(frozen=True)
+class Serving:
+    """A running attempt a node serves, and the node's GPUs its membership holds."""
+
+    attempt: Attempt
+    gpus: tuple[int, ...]
+
+
 def list_nodes(
     session: Session, limit: int, offset: int
-) -> tuple[list[tuple[Node, Attempt | None]], int]:
-    """A page of nodes by id, each with the running attempt it serves; and the total."""
+) -> tuple[list[tuple[Node, list[Serving]]], int]:
+    """A page of nodes by id, each with the running attempts it serves (by attempt id: one
+    on "cpu", or any number on "cuda"); and the total."""
     nodes = list(session.scalars(select(Node).order_by(Node.id).limit(limit).offset(offset)))
     total = session.scalar(select(func.count()).select_from(Node)) or 0
-    serving: dict[int, Attempt] = {}
+    serving: dict[int, list[Serving]] = defaultdict(list)
     stmt = (
-        select(AttemptMember.node_id, Attempt)
+        select(AttemptMember.node_id, AttemptMember.gpus, Attempt)
         .join(Attempt, Attempt.id == AttemptMember.attempt_id)
-        .where(AttemptMember.state == MemberState.ACTIVE, Attempt.state == AttemptState.RUNNING)
+        .where(
+            AttemptMember.node_id.in_([n.id for n in nodes]),
+            AttemptMember.state == MemberState.ACTIVE,
+            Attempt.state == AttemptState.RUNNING,
+        )
+        .order_by(Attempt.id)
     )
-    for node_id, attempt in session.execute(stmt).all():
-        serving[node_id] = attempt
-    return [(node, serving.get(node.id)) for node in nodes], total
+    for node_id, gpus, attempt in session.execute(stmt).all():
+        serving[node_id].append(Serving(attempt, tuple(gpus or ())))
+    return [(node, serving.get(node.id, [])) for node in nodes], total
 
 
 def zygote_memory(session: Session, serving: list[tuple[int, int]]) -> dict[tuple[int, int], int]:

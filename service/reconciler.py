@@ -21,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import MultipleResultsFound
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.protocol import Device
 from service.attempts import (
     active_members,
     add_member,
@@ -42,6 +43,7 @@ from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
 from service.metrics import ControllerMetrics
 from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.nodes import mark_lost
+from service.placement import BySlots, Room, by_id, gpu_waiting_reason, resolve_device
 from service.settings import ControllerSettings
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
@@ -55,6 +57,7 @@ class NodeView:
     state: NodeState
     last_heartbeat_at: datetime
     slots: int
+    gpus: tuple[int, ...] = ()  # the indices of its GPUs
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class JobView:
     waiting_since: datetime | None = None
     not_before: datetime | None = None
     message: str = ""
+    device: Device = "cpu"  # the running attempt's
+    member_gpus: tuple[tuple[int, ...], ...] = ()  # the GPUs each of ``members`` holds
 
 
 @dataclass(frozen=True)
@@ -78,15 +83,22 @@ class MarkNodeLost:
 
 @dataclass(frozen=True)
 class PlaceJob:
+    """A new attempt on ``node_ids``; on "cuda", each node's ``gpus`` (in the same order)."""
+
     job_id: int
     node_ids: tuple[int, ...]
+    device: Device = "cpu"
+    gpus: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class AddMembers:
+    """More nodes for a running attempt, on its device; ``gpus`` as in ``PlaceJob``."""
+
     job_id: int
     attempt_id: int
     node_ids: tuple[int, ...]
+    gpus: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,10 +167,18 @@ def plan(
     - PENDING and WAITING jobs, oldest first, are placed once at least MIN
       fitting nodes are free (a WAITING job not before its back-off ends);
       they get up to MAX. One that cannot be placed gets an ``ExplainWait``
-      when the reason (free, busy and too small nodes) differs from its message.
+      when the reason (free, busy and too small nodes; or free GPUs) differs
+      from its message.
     - Then running jobs below MAX take free fitting nodes (scale up), a node
       that left that attempt and is back included: it joins again in place
       with a new membership, which its agent runs afresh.
+
+    A node is held by one attempt on "cpu" (the whole node: ``nproc_per_node``
+    at most its slots; nodes without GPUs first) or by any number of attempts on
+    "cuda", each on ``nproc_per_node`` GPUs of its own: the nodes with the fewest
+    free GPUs that fit first, on each its lowest free indices (``placement.Room``).
+    A job's device is resolved when it is placed (``resolve_device``); scale-up
+    keeps the attempt's.
     """
     actions: list[Action] = []
     lost = {
@@ -167,11 +187,15 @@ def plan(
         if n.state is NodeState.ALIVE and now - n.last_heartbeat_at > node_timeout
     }
     actions += [MarkNodeLost(n.id, now - node_timeout) for n in nodes if n.id in lost]
-    alive = [n for n in nodes if n.state is NodeState.ALIVE and n.id not in lost]
+    alive = sorted(
+        (n for n in nodes if n.state is NodeState.ALIVE and n.id not in lost), key=lambda n: n.id
+    )
     alive_ids = {n.id for n in alive}
+    with_gpus = sum(1 for n in alive if n.gpus)
 
     running: list[tuple[JobView, list[int]]] = []
-    busy: set[int] = set()
+    whole: set[int] = set()  # nodes an attempt on "cpu" holds
+    held: dict[int, set[int]] = {}  # GPUs attempts on "cuda" hold, by node
     for job in jobs:
         if not job.state.is_active() or job.attempt_id is None:
             continue
@@ -179,10 +203,14 @@ def plan(
         if len(remaining) < job.spec.min_nodes:
             actions.append(WaitForNodes(job.id, job.attempt_id))
             continue
-        busy.update(remaining)
+        if job.device == "cuda":
+            for node_id, holds in zip(job.members, job.member_gpus, strict=True):
+                if node_id in alive_ids:
+                    held.setdefault(node_id, set()).update(holds)
+        else:
+            whole.update(remaining)
         running.append((job, remaining))
 
-    free = [n for n in sorted(alive, key=lambda n: n.id) if n.id not in busy]
     pending: list[JobView] = []
     for job in sorted(jobs, key=lambda j: (j.created_at, j.id)):
         if job.state is JobState.WAITING and job.waiting_since is not None:
@@ -193,55 +221,55 @@ def plan(
                 continue
         if job.state.is_placeable():
             pending.append(job)
-    # By slots wanted: a deep queue asks the same few questions of the nodes.
-    big_enough_for = _BySlots(alive)
-    fitting_for = _BySlots(free)
-    reasons: dict[tuple[int, ...], str] = {}  # by what a job needs and the counts
+    # By what a job asks: a deep queue asks the same few questions of the nodes.
+    big_enough_for = BySlots(alive)
+    room = Room(alive, whole, held)
+    reasons: dict[tuple[object, ...], str] = {}  # by what a job needs and the counts
     for job in pending:
-        fitting = fitting_for.ids(job.spec.nproc_per_node)
+        device = resolve_device(job.spec.device, with_gpus > 0)
+        per_node = job.spec.nproc_per_node
+        fitting = room.fitting(device, per_node)
         if len(fitting) >= job.spec.min_nodes:
-            chosen = tuple(fitting[: job.spec.max_nodes])
-            actions.append(PlaceJob(job.id, chosen))
-            free = _without(free, chosen)
-            fitting_for = _BySlots(free)
+            chosen, gpus = by_id(device, fitting[: job.spec.max_nodes])
+            actions.append(PlaceJob(job.id, chosen, device, gpus))
+            room = room.taking(device, chosen, gpus)
             continue
         # Nodes placed for an older job in this pass count as busy: they are, next pass.
-        big_enough = len(big_enough_for.ids(job.spec.nproc_per_node))
-        counts = (len(fitting), big_enough - len(fitting), len(alive) - big_enough)
-        asked = (job.spec.min_nodes, job.spec.nproc_per_node, *counts)
-        if asked not in reasons:
-            reasons[asked] = _waiting_reason(job, *counts)
+        asked: tuple[object, ...]
+        if device == "cuda":
+            asked = (device, job.spec.min_nodes, per_node, len(fitting), with_gpus, room.most_free)
+            if asked not in reasons:
+                reasons[asked] = gpu_waiting_reason(
+                    job.spec.min_nodes, per_node, len(fitting), with_gpus, room.most_free
+                )
+        else:
+            big_enough = len(big_enough_for.ids(per_node))
+            counts = (len(fitting), big_enough - len(fitting), len(alive) - big_enough)
+            asked = (device, job.spec.min_nodes, per_node, *counts)
+            if asked not in reasons:
+                reasons[asked] = _waiting_reason(job, *counts)
         reason = reasons[asked]
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))
     for job, remaining in running:
-        room = job.spec.max_nodes - len(remaining)
-        fitting = fitting_for.ids(job.spec.nproc_per_node)
-        if room > 0 and fitting and job.attempt_id is not None:
-            chosen = tuple(fitting[:room])
-            actions.append(AddMembers(job.id, job.attempt_id, chosen))
-            free = _without(free, chosen)
-            fitting_for = _BySlots(free)
+        room_for = job.spec.max_nodes - len(remaining)
+        if room_for <= 0 or job.attempt_id is None:
+            continue
+        fitting = room.fitting(job.device, job.spec.nproc_per_node)
+        # On "cuda" a member node may have GPUs to spare; the attempt takes a node once.
+        others = [(i, g) for i, g in fitting if i not in remaining][:room_for]
+        if others:
+            chosen, gpus = by_id(job.device, others)
+            actions.append(AddMembers(job.id, job.attempt_id, chosen, gpus))
+            room = room.taking(job.device, chosen, gpus)
     return actions
 
 
-class _BySlots:
-    """The ids of ``nodes`` with at least so many slots, in their order, worked out once
-    for each number of slots asked."""
-
-    def __init__(self, nodes: Sequence[NodeView]) -> None:
-        self._nodes = nodes
-        self._ids: dict[int, list[int]] = {}
-
-    def ids(self, slots: int) -> list[int]:
-        if slots not in self._ids:
-            self._ids[slots] = [n.id for n in self._nodes if n.slots >= slots]
-        return self._ids[slots]
-
-
-def _without(nodes: list[NodeView], taken: Sequence[int]) -> list[NodeView]:
-    gone = set(taken)
-    return [n for n in nodes if n.id not in gone]
+def _gpus_text(gpus: Sequence[int]) -> str:
+    """`` (GPUs 0, 1)`` after a node's name in a timeline line; '' for none."""
+    if not gpus:
+        return ""
+    return f" (GPU{'s' if len(gpus) > 1 else ''} {', '.join(str(g) for g in gpus)})"
 
 
 # A parsed spec by the job's id and submit time (a spec never changes after submit).
@@ -251,7 +279,8 @@ SpecCache = dict[tuple[int, datetime], JobSpec]
 def load_views(
     session: Session, specs: SpecCache | None = None
 ) -> tuple[list[NodeView], list[JobView]]:
-    """The nodes and the open jobs, each open job with its running attempt's active members.
+    """The nodes (with their GPUs) and the open jobs, each open job with its running
+    attempt's device and active members (with the GPUs each holds).
 
     A fixed number of statements however many jobs are open: nodes, open jobs,
     their running attempts, those attempts' active members, and the specs of the
@@ -261,24 +290,28 @@ def load_views(
     error, as ``running_attempt`` says.
     """
     specs = {} if specs is None else specs
+    node_columns = (Node.id, Node.state, Node.last_heartbeat_at, Node.slots, Node.gpus)
     nodes = [
-        NodeView(n.id, n.state, n.last_heartbeat_at, n.slots) for n in session.scalars(select(Node))
+        NodeView(node_id, state, seen, slots, tuple(sorted(int(g["index"]) for g in gpus or ())))
+        for node_id, state, seen, slots, gpus in session.execute(select(*node_columns))
     ]
     open_jobs = Job.state.in_([s for s in JobState if not s.is_terminal()])
     columns = (Job.id, Job.state, Job.created_at, Job.waiting_since, Job.not_before, Job.message)
     rows = session.execute(select(*columns).where(open_jobs)).all()
     running = (
-        select(Attempt.id, Attempt.job_id)
+        select(Attempt.id, Attempt.job_id, Attempt.device)
         .join(Job, Job.id == Attempt.job_id)
         .where(open_jobs, Attempt.state == AttemptState.RUNNING)
     )
     attempt_of: dict[int, int] = {}
-    for running_id, job_id in session.execute(running):
+    device_of: dict[int, Device] = {}
+    for running_id, job_id, device in session.execute(running):
         if job_id in attempt_of:
             raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
         attempt_of[job_id] = running_id
+        device_of[running_id] = "cuda" if device == "cuda" else "cpu"
     members = (
-        select(AttemptMember.attempt_id, AttemptMember.node_id)
+        select(AttemptMember.attempt_id, AttemptMember.node_id, AttemptMember.gpus)
         .join(Attempt, Attempt.id == AttemptMember.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
         .where(
@@ -289,8 +322,10 @@ def load_views(
         .order_by(AttemptMember.id)
     )
     members_of: dict[int, list[int]] = defaultdict(list)
-    for running_id, node_id in session.execute(members):
+    gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+    for running_id, node_id, gpus in session.execute(members):
         members_of[running_id].append(node_id)
+        gpus_of[running_id].append(tuple(gpus or ()))
     _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
     jobs: list[JobView] = []
     for job_id, state, created_at, waiting_since, not_before, message in rows:
@@ -306,6 +341,8 @@ def load_views(
                 waiting_since=waiting_since,
                 not_before=not_before,
                 message=message,
+                device=device_of.get(attempt_id, "cpu") if attempt_id is not None else "cpu",
+                member_gpus=tuple(gpus_of.get(attempt_id, ())) if attempt_id is not None else (),
             )
         )
     return nodes, jobs
@@ -513,12 +550,22 @@ class Reconciler:
             job = get_job(session, action.job_id, for_update=True)
             explain_waiting(session, job, action.state, action.reason, now)
 
-    def _free_nodes(self, session: Session, node_ids: Sequence[int]) -> list[Node]:
-        """The named nodes, locked, if every one is alive and in no running attempt."""
+    def _room_on(
+        self,
+        session: Session,
+        node_ids: Sequence[int],
+        device: Device,
+        gpus: Sequence[Sequence[int]],
+        joining: int | None = None,
+    ) -> list[Node]:
+        """The named nodes, locked, if every one is alive and still has the room the action
+        decided on: on "cpu", no running attempt's active member; on "cuda", no member of an
+        attempt on "cpu" nor of ``joining`` (the attempt the nodes join, if any), and each
+        node's ``gpus`` are its own and held by no other member. ``StaleState`` if not."""
         stmt = select(Node).where(Node.id.in_(node_ids)).with_for_update().order_by(Node.id)
         nodes = list(session.scalars(stmt))
-        taken = session.scalars(
-            select(AttemptMember.node_id)
+        holders = session.execute(
+            select(AttemptMember.node_id, Attempt.id, Attempt.device, AttemptMember.gpus)
             .join(Attempt, Attempt.id == AttemptMember.attempt_id)
             .where(
                 AttemptMember.node_id.in_(node_ids),
@@ -526,10 +573,24 @@ class Reconciler:
                 Attempt.state == AttemptState.RUNNING,
             )
         ).all()
-        if len(nodes) != len(node_ids) or taken:
-            raise StaleState(f"nodes {list(node_ids)} are no longer free")
+        if len(nodes) != len(node_ids):
+            raise StaleState(f"nodes {list(node_ids)} are no longer all registered")
         if any(n.state is not NodeState.ALIVE for n in nodes):
             raise StaleState(f"nodes {list(node_ids)} are no longer all alive")
+        if device == "cpu":
+            if holders:
+                raise StaleState(f"nodes {list(node_ids)} are no longer free")
+            return nodes
+        wanted = dict(zip(node_ids, gpus, strict=True))
+        for node in nodes:
+            taking = wanted[node.id]
+            if len(set(taking)) != len(taking) or not set(taking) <= set(node.gpu_indices):
+                raise StaleState(f"node {node.id} has no GPUs {list(taking)} to give")
+        for node_id, attempt_id, held_device, held_gpus in holders:
+            if held_device != "cuda" or attempt_id == joining:
+                raise StaleState(f"node {node_id} is no longer free for attempts on cuda")
+            if set(wanted[node_id]) & set(held_gpus):
+                raise StaleState(f"GPUs {list(wanted[node_id])} of node {node_id} are taken")
         return nodes
 
     def _place(self, session: Session, action: PlaceJob, now: datetime) -> None:
@@ -538,20 +599,33 @@ class Reconciler:
             raise StaleState(f"job {job.id} is {job.state}, not waiting to be placed")
         if job.not_before is not None and now < job.not_before:
             raise StaleState(f"job {job.id} backs off until {job.not_before}")
-        nodes = self._free_nodes(session, action.node_ids)
+        nodes = self._room_on(session, action.node_ids, action.device, action.gpus)
         resumes = " and resumes from its newest snapshot" if job.attempt_count else ""
         change_job_state(session, job, JobState.RUNNING, now, message="")
         job.waiting_since = job.not_before = None
-        attempt = create_attempt(session, job, nodes, self._settings, now)
+        gpus = dict(zip(action.node_ids, action.gpus, strict=True)) if action.gpus else {}
+        attempt = create_attempt(
+            session,
+            job,
+            nodes,
+            self._settings,
+            now,
+            action.device,
+            [gpus.get(n.id, ()) for n in nodes],
+        )
+        where = ", ".join(n.name + _gpus_text(gpus.get(n.id, ())) for n in nodes)
+        data: dict[str, object] = {"nodes": [n.name for n in nodes]}
+        if action.device == "cuda":
+            data |= {"device": "cuda", "gpus": {n.name: list(gpus[n.id]) for n in nodes}}
         add_event(
             session,
             job.id,
             "placed",
-            f"attempt {attempt.number} placed on {', '.join(n.name for n in nodes)} "
+            f"attempt {attempt.number} placed on {where} "
             f"(rendezvous id {attempt.rdzv_id}){resumes}",
             now,
             attempt_id=attempt.id,
-            data={"nodes": [n.name for n in nodes]},
+            data=data,
         )
 
     def _add_members(self, session: Session, action: AddMembers, now: datetime) -> None:
@@ -559,9 +633,13 @@ class Reconciler:
         attempt = session.get(Attempt, action.attempt_id)
         if not job.state.is_active() or attempt is None or attempt.state.is_terminal():
             raise StaleState(f"job {job.id} is no longer running attempt {action.attempt_id}")
-        nodes = self._free_nodes(session, action.node_ids)
+        device: Device = "cuda" if attempt.device == "cuda" else "cpu"
+        if (device == "cuda") != bool(action.gpus):
+            raise StaleState(f"attempt {attempt.id} runs on {device}; the action assumed not")
+        nodes = self._room_on(session, action.node_ids, device, action.gpus, joining=attempt.id)
+        gpus = dict(zip(action.node_ids, action.gpus, strict=True)) if action.gpus else {}
         for node in nodes:
-            add_member(session, attempt, node, now)
+            add_member(session, attempt, node, now, gpus.get(node.id, ()))
             if attempt.world_size is None:
                 # No rendezvous has completed yet: the node is part of the first
                 # world, as if placed with the others; nothing re-forms.

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.fields import PlainText
+from contract.protocol import Device
 from service.models import Role
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
@@ -34,6 +35,10 @@ class MemberPublic(BaseModel):
     joined_at: datetime
     left_at: datetime | None
     exit_code: int | None
+    gpus: list[int] = Field(
+        default_factory=list,
+        description="The node's GPUs the membership holds, one per local rank (cuda only)",
+    )
 
 
 class AttemptPublic(BaseModel):
@@ -41,6 +46,7 @@ class AttemptPublic(BaseModel):
     number: int
     rdzv_id: str
     state: AttemptState
+    device: Device = Field(default="cpu", description="What the attempt was placed for")
     world_size: int | None
     created_at: datetime
     ended_at: datetime | None
@@ -86,6 +92,11 @@ class JobPublic(BaseModel):
 
 
 class JobDetail(JobPublic):
+    device: Device | None = Field(
+        default=None,
+        description="The device of the newest attempt, as placed (spec.device resolved); "
+        "None before the first",
+    )
     attempts: list[AttemptPublic]
 
 
@@ -173,6 +184,22 @@ class LogsPublic(BaseModel):
     items: list[LogPublic]
 
 
+class NodeGpuPublic(BaseModel):
+    """One GPU of a node: what its agent reported at registration, and its use at the
+    node's last heartbeat (None when not reported)."""
+
+    index: int
+    name: str
+    uuid: str | None = None
+    memory_total_bytes: int | None = None
+    utilization_pct: float | None = None
+    memory_used_bytes: int | None = None
+    held: bool = Field(default=False, description="Held by a running attempt's member")
+    job_id: int | None = Field(
+        default=None, description="The job holding it, if the caller's (or the caller is admin)"
+    )
+
+
 class NodePublic(BaseModel):
     id: int
     name: str
@@ -183,12 +210,20 @@ class NodePublic(BaseModel):
     last_heartbeat_at: datetime
     busy: bool = Field(description="Serving a running attempt")
     attempt_id: int | None = Field(
-        default=None, description="The attempt it serves, if the job is the caller's"
+        default=None,
+        description="The attempt it serves, if the job is the caller's (of several on a "
+        "node that CUDA jobs share, the oldest of the caller's)",
     )
-    job_id: int | None = Field(default=None, description="The job it serves, if the caller's")
+    job_id: int | None = Field(default=None, description="The job of that attempt")
     zygote_rss_bytes: int | None = Field(
         default=None,
         description="Memory of the warm zygote it runs for that attempt (when it was ready)",
+    )
+    cpus: int | None = Field(default=None, description="The cores its agent's workers may use")
+    gpu_driver: str | None = None
+    cuda_version: str | None = None
+    gpus: list[NodeGpuPublic] = Field(
+        default_factory=list, description="Its GPUs by index; empty on a CPU node"
     )
 
 

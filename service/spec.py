@@ -119,7 +119,20 @@ class JobSpec(_Strict):
         examples=["1:2"],
         max_length=16,
     )
-    nproc_per_node: int = Field(default=1, ge=1, le=64)
+    nproc_per_node: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Worker processes on each node; for a job placed on GPUs, the GPUs it "
+        "takes on each node (one per worker)",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Where the workers run. 'cuda': on nproc_per_node GPUs of each node, "
+        "which other CUDA jobs may share but no CPU job; 'cpu': on whole nodes. 'auto': "
+        "decided whenever an attempt is placed: 'cuda' if any alive node has GPUs then "
+        "(the job waits for free GPUs), else 'cpu'",
+    )
     max_restarts: int = Field(
         default=3,
         ge=0,

@@ -92,6 +92,7 @@ def attempt_public(attempt: Attempt) -> AttemptPublic:
             joined_at=m.joined_at,
             left_at=m.left_at,
             exit_code=m.exit_code,
+            gpus=m.gpus,
         )
         for m in attempt.members
     ]
@@ -100,6 +101,7 @@ def attempt_public(attempt: Attempt) -> AttemptPublic:
         number=attempt.number,
         rdzv_id=attempt.rdzv_id,
         state=attempt.state,
+        device="cuda" if attempt.device == "cuda" else "cpu",
         world_size=attempt.world_size,
         created_at=attempt.created_at,
         ended_at=attempt.ended_at,
@@ -179,7 +181,10 @@ def get_job(job_id: IdPath, session: ReadSessionDep, user: UserDep) -> JobDetail
     attempts = [attempt_public(a) for a in job.attempts]
     saved = jobs.last_snapshot_times(session, [job.id]).get(job.id)
     step_time = jobs.last_step_times(session, [job.id]).get(job.id)
-    return JobDetail(**job_public(job, saved, step_time).model_dump(), attempts=attempts)
+    device = attempts[-1].device if attempts else None
+    return JobDetail(
+        **job_public(job, saved, step_time).model_dump(), device=device, attempts=attempts
+    )
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

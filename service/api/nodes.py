@@ -41,8 +41,8 @@ from service.api.deps import (
     UserDep,
 )
 from service.db import retry_on_stale, transaction
-from service.models import Role
-from service.schemas import NodePublic, NodesPublic
+from service.models import Node, Role
+from service.schemas import NodeGpuPublic, NodePublic, NodesPublic
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
 
@@ -105,14 +105,18 @@ def list_nodes(
     limit: PageLimit = 200,
     offset: Offset = 0,
 ) -> NodesPublic:
-    """Every node; the job a node serves is shown only to that job's owner and to admins."""
+    """Every node with its GPUs and their use; the job a node (or a GPU) serves is shown
+    only to that job's owner and to admins."""
     page, total = nodes.list_nodes(session, limit, offset)
     zygotes = nodes.zygote_memory(
-        session, [(node.id, attempt.id) for node, attempt in page if attempt is not None]
+        session, [(node.id, serving[0].attempt.id) for node, serving in page if serving]
     )
     items = []
-    for node, attempt in page:
-        mine = attempt is not None and (user.role is Role.ADMIN or attempt.job.owner_id == user.id)
+    for node, serving in page:
+        mine = [s for s in serving if user.role is Role.ADMIN or s.attempt.job.owner_id == user.id]
+        shown = mine[0].attempt if mine else None
+        holder = {g: s.attempt.job_id for s in mine for g in s.gpus}
+        held = {g for s in serving for g in s.gpus}
         items.append(
             NodePublic(
                 id=node.id,
@@ -122,10 +126,33 @@ def list_nodes(
                 state=node.state,
                 registered_at=node.registered_at,
                 last_heartbeat_at=node.last_heartbeat_at,
-                busy=attempt is not None,
-                attempt_id=attempt.id if attempt and mine else None,
-                job_id=attempt.job_id if attempt and mine else None,
-                zygote_rss_bytes=None if attempt is None else zygotes.get((node.id, attempt.id)),
+                busy=bool(serving),
+                attempt_id=shown.id if shown else None,
+                job_id=shown.job_id if shown else None,
+                zygote_rss_bytes=zygotes.get((node.id, serving[0].attempt.id)) if serving else None,
+                cpus=node.cpus,
+                gpu_driver=node.gpu_driver,
+                cuda_version=node.cuda_version,
+                gpus=gpus_public(node, held, holder),
             )
         )
     return NodesPublic(items=items, total=total, limit=limit, offset=offset)
+
+
+def gpus_public(node: Node, held: set[int], holder: dict[int, int]) -> list[NodeGpuPublic]:
+    """``node``'s GPUs with their use at its last heartbeat; ``held``: the indices running
+    attempts hold, ``holder``: of those, the job of each the caller may see."""
+    usage = {int(u["index"]): u for u in node.gpu_usage}
+    return [
+        NodeGpuPublic(
+            index=g["index"],
+            name=g.get("name") or "",
+            uuid=g.get("uuid"),
+            memory_total_bytes=g.get("memory_total_bytes"),
+            utilization_pct=usage.get(g["index"], {}).get("utilization_pct"),
+            memory_used_bytes=usage.get(g["index"], {}).get("memory_used_bytes"),
+            held=g["index"] in held,
+            job_id=holder.get(g["index"]),
+        )
+        for g in node.gpus
+    ]

@@ -353,7 +353,7 @@ function jobPage(jobId) {
       h(
         "p",
         {},
-        `owner ${job.owner ?? "–"} · world size ${job.world_size ?? "–"} of ${job.min_nodes}:${job.max_nodes} nodes · restarts ${job.restart_count} / ${job.spec.max_restarts} · membership changes ${job.membership_changes} · last snapshot ${ago(job.last_snapshot_at)} · running ${duration(job.started_at, job.finished_at)}`,
+        `owner ${job.owner ?? "–"} · ${deviceText(job)} · world size ${job.world_size ?? "–"} of ${job.min_nodes}:${job.max_nodes} nodes · restarts ${job.restart_count} / ${job.spec.max_restarts} · membership changes ${job.membership_changes} · last snapshot ${ago(job.last_snapshot_at)} · running ${duration(job.started_at, job.finished_at)}`,
       ),
       h(
         "p",
@@ -414,7 +414,8 @@ function jobPage(jobId) {
             fit(`#${a.number}`),
             fit(stateTag(a.state)),
             fit(`world ${a.world_size ?? "–"}`),
-            h("td", {}, a.members.map((m) => `${m.node_name} (${m.state.toLowerCase()})`).join(", ")),
+            fit(a.device ?? "cpu"),
+            h("td", {}, a.members.map((m) => `${m.node_name} (${m.state.toLowerCase()}${m.gpus?.length ? `, GPU ${m.gpus.join(",")}` : ""})`).join(", ")),
             h("td", {}, a.result),
           ),
         ),
@@ -439,6 +440,43 @@ function jobPage(jobId) {
   };
 }
 
+const GIB = 1024 ** 3;
+
+// One line per GPU of a node: index and model, its use at the last heartbeat, and who holds it.
+function gpuList(node) {
+  if (!node.gpus?.length) return "–";
+  const versions = [node.gpu_driver && `driver ${node.gpu_driver}`, node.cuda_version && `CUDA ${node.cuda_version}`]
+    .filter(Boolean).join(" · ");
+  return h(
+    "div",
+    {},
+    versions ? h("div", { class: "muted" }, versions) : null,
+    ...node.gpus.map((gpu) => {
+      const memory = gpu.memory_total_bytes != null
+        ? `${gpu.memory_used_bytes != null ? (gpu.memory_used_bytes / GIB).toFixed(1) : "?"} / ${(gpu.memory_total_bytes / GIB).toFixed(1)} GiB`
+        : null;
+      const use = gpu.utilization_pct != null ? `${Math.round(gpu.utilization_pct)}%` : null;
+      const holder = gpu.job_id != null
+        ? h("a", { href: `#/jobs/${gpu.job_id}` }, `job ${gpu.job_id}`)
+        : gpu.held ? "another user's job" : "free";
+      return h(
+        "div",
+        { "data-gpu": gpu.index },
+        [`${gpu.index}: ${gpu.name || "GPU"}`, use, memory].filter(Boolean).join(" · "),
+        " · ",
+        holder,
+      );
+    }),
+  );
+}
+
+// "cuda (asked: auto)": the device the newest attempt was placed for, and the spec's.
+function deviceText(job) {
+  const asked = job.spec.device ?? "auto";
+  if (!job.device) return `device ${asked}`;
+  return job.device === asked ? `device ${job.device}` : `device ${job.device} (asked: ${asked})`;
+}
+
 function nodesPage() {
   const body = h("tbody");
   view().replaceChildren(
@@ -449,7 +487,7 @@ function nodesPage() {
       h(
         "table",
         { "data-testid": "nodes" },
-        h("thead", {}, h("tr", {}, ["name", "state", "last heartbeat", "serving", "slots", "address"].map((c) => h("th", {}, c)))),
+        h("thead", {}, h("tr", {}, ["name", "state", "last heartbeat", "serving", "slots", "cpus", "GPUs", "address"].map((c) => h("th", {}, c)))),
         body,
       ),
     ),
@@ -467,6 +505,8 @@ function nodesPage() {
             fit(ago(node.last_heartbeat_at)),
             fit(node.job_id ? h("a", { href: `#/jobs/${node.job_id}` }, `job ${node.job_id}`) : node.busy ? "another user's job" : "–"),
             fit(node.slots),
+            fit(node.cpus ?? "–"),
+            h("td", { "data-testid": "gpus" }, gpuList(node)),
             h("td", {}, node.address),
           ),
         ),

@@ -66,8 +66,9 @@ def bearer(token: str) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
 
 
-def register(api: TestClient, name: str, slots: int = 1) -> int:
-    """Register ``name`` as its agent does: with the node token it got last time, if any."""
+def register(api: TestClient, name: str, slots: int = 1, **extra: Any) -> int:
+    """Register ``name`` as its agent does: with the node token it got last time, if any;
+    ``extra`` adds to the body (``gpus``, ``cpus``, ...)."""
     node_token = getattr(api, "name_tokens", {}).get(name)
     r = api.post(
         "/api/v1/nodes/register",
@@ -77,6 +78,7 @@ def register(api: TestClient, name: str, slots: int = 1) -> int:
             "slots": slots,
             "pid": 1,
             "node_token": node_token,
+            **extra,
         },
     )
     assert r.status_code == 200, r.text

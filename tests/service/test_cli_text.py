@@ -37,3 +37,35 @@ def test_log_lines_use_the_labels_of_relaunch_status() -> None:
     assert cli.log_line_label({**line, "global_rank": None}) == "attempt 2 node node-a local rank 0"
     launcher = {**line, "local_rank": None, "global_rank": None}
     assert cli.log_line_label(launcher) == "attempt 2 node node-a launcher"
+
+
+def test_status_names_the_device_and_each_members_gpus() -> None:
+    job = {
+        "id": 3,
+        "name": "j",
+        "state": "RUNNING",
+        "last_step": 0,
+        "total_steps": None,
+        "world_size": 6,
+        "restart_count": 0,
+        "spec": {"max_restarts": 3},
+        "membership_changes": 0,
+        "message": "",
+        "attempts": [
+            {
+                "number": 1,
+                "state": "RUNNING",
+                "device": "cuda",
+                "members": [
+                    {"node_name": "big", "state": "ACTIVE", "gpus": [0, 1, 2, 3]},
+                    {"node_name": "small", "state": "ACTIVE", "gpus": [1]},
+                ],
+            },
+            {"number": 0, "state": "STOPPED", "members": [{"node_name": "a", "state": "LEFT"}]},
+        ],
+    }
+    lines = cli._status_lines(job)
+    assert (
+        lines[1] == "  attempt 1 RUNNING on cuda: big(active, GPUs 0,1,2,3), small(active, GPU 1)"
+    )
+    assert lines[2] == "  attempt 0 STOPPED: a(left)"

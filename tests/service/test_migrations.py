@@ -158,3 +158,41 @@ def test_enrolment_tokens_migrate_up_and_down(db_url: str) -> None:
         }
     finally:
         engine.dispose()
+
+
+def test_gpu_columns_migrate_down_and_up_keeping_the_rows(
+    api: TestClient, reconciler: Reconciler, db_url: str
+) -> None:
+    """0011 adds nodes' GPUs, attempts' device and members' GPUs; down one step drops those
+    columns and nothing else (no row goes with them); rows made before it read as CPU."""
+    gpus = [{"index": i, "name": "g"} for i in range(2)]
+    register(api, "g", slots=2, gpus=gpus, gpu_driver="550", cuda_version="12.4", cpus=8)
+    job_id = submit(api, "1", nproc_per_node=2)
+    reconciler.run_once()
+    assert job(api, job_id)["attempts"][0]["members"][0]["gpus"] == [0, 1]
+    engine = make_engine(db_url)
+
+    def columns(table: str) -> set[str]:
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+
+    def rows() -> tuple[int, int, int]:
+        with engine.connect() as conn:
+            counts = [
+                conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+                for table in ("nodes", "attempts", "attempt_members")
+            ]
+        return counts[0], counts[1], counts[2]
+
+    try:
+        command.downgrade(alembic_config(db_url), "0011-1")
+        assert not columns("nodes") & {"gpus", "gpu_usage", "gpu_driver", "cuda_version", "cpus"}
+        assert "device" not in columns("attempts") and "gpus" not in columns("attempt_members")
+        assert rows() == (1, 1, 1)
+        upgrade_to_head(db_url)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT device FROM attempts")).scalar_one() == "cpu"
+            member_gpus = conn.execute(text("SELECT gpus FROM attempt_members")).scalar_one()
+            node = conn.execute(text("SELECT gpus, gpu_usage, cpus FROM nodes")).one()
+        assert member_gpus in ([], "[]") and tuple(node) in (([], [], None), ("[]", "[]", None))
+    finally:
+        engine.dispose()

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event
 
@@ -48,12 +49,26 @@ def passes(
     return placing, steady
 
 
+@pytest.mark.parametrize(
+    ("gpus", "why"),
+    [
+        (0, "waiting for nodes: needs 1, 0 are free and 2 are busy with other jobs"),
+        (
+            1,
+            "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
+            "(2 alive nodes have GPUs, the most free on one is 0)",
+        ),
+    ],
+    ids=["cpu", "cuda"],
+)
 def test_a_pass_sends_as_many_statements_for_30_jobs_as_for_3(
-    api: Cluster, reconciler: Reconciler
+    api: Cluster, reconciler: Reconciler, gpus: int, why: str
 ) -> None:
+    """On CPU nodes, and on nodes of one GPU each (where the jobs are placed on "cuda")."""
     engine = api.app.state.session_factory.kw["bind"]  # type: ignore[attr-defined]
     api.user_token = api.add_user("queue", max_active_jobs=100, max_nodes=100)
-    nodes = [register(api, "a"), register(api, "b")]
+    inventory = [{"index": i, "name": "gpu"} for i in range(gpus)]
+    nodes = [register(api, "a", gpus=inventory), register(api, "b", gpus=inventory)]
     reconciler.run_once()  # takes the lease: every later pass renews it the same way
     few = [submit(api, "1:1") for _ in range(3)]
     few_placing, few_steady = passes(api, reconciler, engine, nodes, len(few))
@@ -65,7 +80,6 @@ def test_a_pass_sends_as_many_statements_for_30_jobs_as_for_3(
 
     assert len(many_placing) == len(few_placing), (few_placing, many_placing)
     assert len(many_steady) == len(few_steady), (few_steady, many_steady)
-    why = "waiting for nodes: needs 1, 0 are free and 2 are busy with other jobs"
     for job_id in many[len(nodes) :]:
         assert (job(api, job_id)["state"], job(api, job_id)["message"]) == ("PENDING", why)
         events = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]

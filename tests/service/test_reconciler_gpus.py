@@ -1,0 +1,243 @@
+"""Placement on GPUs, as a pure function of the world: a node is held whole by one CPU job,
+or shared by CUDA jobs on disjoint GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+import pytest
+
+from service.placement import resolve_device
+from service.reconciler import (
+    Action,
+    AddMembers,
+    ExplainWait,
+    JobView,
+    NodeView,
+    PlaceJob,
+    plan,
+)
+from service.spec import JobSpec, TaskSpec
+from service.states import JobState, NodeState
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+TIMEOUT = timedelta(seconds=10)
+SpecDevice = Literal["auto", "cpu", "cuda"]
+
+
+def node(id: int, gpus: int = 0, slots: int = 8, state: NodeState = NodeState.ALIVE) -> NodeView:
+    return NodeView(id=id, state=state, last_heartbeat_at=T0, slots=slots, gpus=tuple(range(gpus)))
+
+
+def pending(
+    id: int, per_node: int = 1, nnodes: str = "1", device: SpecDevice = "auto", message: str = ""
+) -> JobView:
+    spec = JobSpec(
+        name="j",
+        task=TaskSpec(name="regression"),
+        nnodes=nnodes,
+        nproc_per_node=per_node,
+        device=device,
+    )
+    return JobView(
+        id=id,
+        state=JobState.PENDING,
+        created_at=T0 + timedelta(seconds=id),
+        spec=spec,
+        message=message,
+    )
+
+
+def running(
+    id: int,
+    on: dict[int, tuple[int, ...]],
+    per_node: int = 1,
+    nnodes: str = "1",
+    device: Literal["cpu", "cuda"] = "cuda",
+) -> JobView:
+    """A running job whose attempt on ``device`` has a member on each node of ``on``,
+    holding those GPUs."""
+    return JobView(
+        id=id,
+        state=JobState.RUNNING,
+        created_at=T0 + timedelta(seconds=id),
+        spec=pending(id, per_node, nnodes, device).spec,
+        attempt_id=100 + id,
+        members=tuple(on),
+        device=device,
+        member_gpus=tuple(on.values()) if device == "cuda" else (),
+    )
+
+
+def placements(actions: Sequence[Action]) -> dict[int, tuple[str, dict[int, tuple[int, ...]]]]:
+    """By job: the device and, by node, the GPUs of each PlaceJob."""
+    return {
+        a.job_id: (a.device, dict(zip(a.node_ids, a.gpus or [()] * len(a.node_ids), strict=True)))
+        for a in actions
+        if isinstance(a, PlaceJob)
+    }
+
+
+def reasons(actions: Sequence[Action]) -> dict[int, str]:
+    return {a.job_id: a.reason for a in actions if isinstance(a, ExplainWait)}
+
+
+def test_jobs_of_one_one_and_four_gpus_fill_nodes_of_two_and_four_on_disjoint_gpus() -> None:
+    """Best fit: the small jobs take the small node, which leaves the big one whole for the
+    job that needs all of it (first fit by id would have split the big one)."""
+    nodes = [node(1, gpus=4), node(2, gpus=2)]
+    jobs = [pending(1, per_node=1), pending(2, per_node=1), pending(3, per_node=4)]
+    actions = plan(T0, nodes, jobs, TIMEOUT)
+    assert placements(actions) == {
+        1: ("cuda", {2: (0,)}),
+        2: ("cuda", {2: (1,)}),
+        3: ("cuda", {1: (0, 1, 2, 3)}),
+    }
+    assert reasons(actions) == {}
+
+
+def test_jobs_of_two_and_four_gpus_take_the_node_each_fits() -> None:
+    nodes = [node(1, gpus=4), node(2, gpus=2)]
+    actions = plan(T0, nodes, [pending(1, per_node=2), pending(2, per_node=4)], TIMEOUT)
+    assert placements(actions) == {1: ("cuda", {2: (0, 1)}), 2: ("cuda", {1: (0, 1, 2, 3)})}
+
+
+def test_a_job_that_fits_no_node_waits_and_says_for_what() -> None:
+    """Jobs of 1, 2 and 1 GPUs already run on nodes of 4 and 2 GPUs: a job of 4 waits."""
+    nodes = [node(1, gpus=4), node(2, gpus=2)]
+    jobs = [
+        running(1, {1: (0,)}),
+        running(2, {1: (1, 2)}, per_node=2),
+        running(3, {2: (0,)}),
+        pending(4, per_node=4),
+    ]
+    why = (
+        "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
+        "(2 alive nodes have GPUs, the most free on one is 1)"
+    )
+    actions = plan(T0, nodes, jobs, TIMEOUT)
+    assert actions == [ExplainWait(4, JobState.PENDING, why)]
+    told = pending(4, per_node=4, message=why)
+    assert plan(T0, nodes, [*jobs[:3], told], TIMEOUT) == []
+    # A job of one GPU still fits: the lowest free index of the tightest node.
+    assert placements(plan(T0, nodes, [*jobs[:3], pending(5)], TIMEOUT)) == {5: ("cuda", {1: (3,)})}
+
+
+def test_gpus_taken_earlier_in_the_same_pass_count_as_taken() -> None:
+    nodes = [node(1, gpus=2)]
+    actions = plan(T0, nodes, [pending(1, per_node=2), pending(2, per_node=1)], TIMEOUT)
+    assert placements(actions) == {1: ("cuda", {1: (0, 1)})}
+    assert reasons(actions) == {
+        2: "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
+        "(1 alive node has GPUs, the most free on one is 0)"
+    }
+
+
+def test_a_job_on_several_nodes_takes_its_gpus_on_each() -> None:
+    nodes = [node(1, gpus=4), node(2, gpus=2), node(3, gpus=2)]
+    actions = plan(T0, nodes, [pending(1, per_node=2, nnodes="2:3")], TIMEOUT)
+    assert placements(actions) == {1: ("cuda", {1: (0, 1), 2: (0, 1), 3: (0, 1)})}
+    too_few = plan(T0, nodes, [pending(2, per_node=4, nnodes="2")], TIMEOUT)
+    assert reasons(too_few) == {
+        2: "waiting for GPUs: needs 2 nodes with 4 free GPUs each; only 1 node has 4 free GPUs "
+        "(3 alive nodes have GPUs)"
+    }
+
+
+def test_a_cuda_job_on_a_cluster_without_gpus_waits_for_gpus() -> None:
+    nodes = [node(1), node(2)]
+    actions = plan(T0, nodes, [pending(1, device="cuda")], TIMEOUT)
+    assert actions == [
+        ExplainWait(
+            1,
+            JobState.PENDING,
+            "waiting for GPUs: needs 1 node with 1 free GPU; no alive node has GPUs",
+        )
+    ]
+
+
+def test_lost_nodes_lend_no_gpus() -> None:
+    nodes = [node(1, gpus=4, state=NodeState.LOST), node(2)]
+    assert reasons(plan(T0, nodes, [pending(1, device="cuda")], TIMEOUT)) == {
+        1: "waiting for GPUs: needs 1 node with 1 free GPU; no alive node has GPUs"
+    }
+
+
+def test_auto_is_cuda_when_an_alive_node_has_gpus_and_cpu_when_none_has() -> None:
+    assert placements(plan(T0, [node(1), node(2, gpus=1)], [pending(1)], TIMEOUT)) == {
+        1: ("cuda", {2: (0,)})
+    }
+    assert placements(plan(T0, [node(1), node(2)], [pending(1)], TIMEOUT)) == {1: ("cpu", {1: ()})}
+    assert resolve_device("auto", True) == "cuda" and resolve_device("auto", False) == "cpu"
+    assert resolve_device("cpu", True) == "cpu" and resolve_device("cuda", False) == "cuda"
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("tpu", True)
+
+
+def test_an_auto_job_whose_gpus_are_all_taken_waits_for_gpus_not_for_a_cpu_node() -> None:
+    nodes = [node(1), node(2, gpus=1)]
+    jobs = [running(1, {2: (0,)}), pending(2)]
+    assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
+        2: "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
+        "(1 alive node has GPUs, the most free on one is 0)"
+    }
+
+
+def test_a_cpu_job_does_not_land_on_a_node_a_cuda_job_holds() -> None:
+    nodes = [node(1, gpus=4)]
+    jobs = [running(1, {1: (0,)}), pending(2, device="cpu")]
+    assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
+        2: "waiting for nodes: needs 1, 0 are free and 1 is busy with other jobs"
+    }
+    # The node is free again once the CUDA job is gone.
+    assert placements(plan(T0, nodes, jobs[1:], TIMEOUT)) == {2: ("cpu", {1: ()})}
+
+
+def test_a_cuda_job_does_not_land_on_a_node_a_cpu_job_holds() -> None:
+    nodes = [node(1, gpus=4), node(2, gpus=2)]
+    jobs = [running(1, {1: ()}, device="cpu"), pending(2, per_node=3, device="cuda")]
+    assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
+        2: "waiting for GPUs: needs 1 node with 3 free GPUs; no node has 3 free GPUs "
+        "(2 alive nodes have GPUs, the most free on one is 2)"
+    }
+    assert placements(plan(T0, nodes, [jobs[0], pending(3, per_node=2)], TIMEOUT)) == {
+        3: ("cuda", {2: (0, 1)})
+    }
+
+
+def test_a_cpu_job_takes_a_node_without_gpus_before_one_with() -> None:
+    nodes = [node(1, gpus=2), node(2), node(3, gpus=1)]
+    assert placements(plan(T0, nodes, [pending(1, device="cpu")], TIMEOUT)) == {1: ("cpu", {2: ()})}
+    both = plan(T0, nodes, [pending(1, device="cpu", nnodes="2")], TIMEOUT)
+    assert placements(both) == {1: ("cpu", {1: (), 2: ()})}
+
+
+def test_a_node_without_gpus_never_gets_a_cuda_job() -> None:
+    nodes = [node(1, slots=64), node(2, gpus=1)]
+    actions = plan(T0, nodes, [pending(1, device="cuda", nnodes="1:2")], TIMEOUT)
+    assert placements(actions) == {1: ("cuda", {2: (0,)})}
+
+
+def test_scale_up_keeps_the_attempts_device_and_takes_gpus_on_other_nodes() -> None:
+    """A CUDA attempt grows onto another node's free GPUs even where auto would now say
+    cpu, and never onto a node it is already a member of."""
+    nodes = [node(1, gpus=4), node(2, gpus=2), node(3)]
+    job = running(1, {1: (0, 1)}, per_node=2, nnodes="1:3")
+    assert plan(T0, nodes, [job], TIMEOUT) == [AddMembers(1, 101, (2,), ((0, 1),))]
+    cpu_job = running(2, {3: ()}, nnodes="1:2", device="cpu")
+    assert plan(T0, nodes, [cpu_job], TIMEOUT) == [AddMembers(2, 102, (1,), ())]
+
+
+def test_a_deep_queue_waiting_for_gpus_is_told_why_once() -> None:
+    """Jobs asking the same get the same reason; once told, a pass decides nothing."""
+    nodes = [node(1, gpus=2)]
+    queue = [pending(i, per_node=4) for i in range(1, 30)]
+    why = (
+        "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
+        "(1 alive node has GPUs, the most free on one is 2)"
+    )
+    assert set(reasons(plan(T0, nodes, queue, TIMEOUT)).values()) == {why}
+    told = [pending(i, per_node=4, message=why) for i in range(1, 30)]
+    assert plan(T0, nodes, told, TIMEOUT) == []
