@@ -72,6 +72,11 @@ class LocalCluster:
     # The agents' RELAUNCH_AGENT_ISOLATION: as root, each job runs as a user of its own;
     # otherwise every job runs as this user (the demo: one user's own cluster).
     isolation: str = field(default_factory=lambda: "user" if os.geteuid() == 0 else "none")
+    # How many agents share this host: each is given its share of the cores
+    # (RELAUNCH_AGENT_CPUS, which sizes its workers' OMP_NUM_THREADS) and no GPUs, since
+    # agents on one host would each offer the same ones. ``start_agent(extra_env=)`` may
+    # say otherwise.
+    agents_on_host: int = 2
 
     @property
     def url(self) -> str:
@@ -213,9 +218,12 @@ class LocalCluster:
         args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
         if address is not None:
             args += ["--address", address]
+        cores = len(os.sched_getaffinity(0))
         env = {
             "RELAUNCH_AGENT_ENROLMENT_TOKEN": self.enrolment_token,
             "RELAUNCH_AGENT_ISOLATION": self.isolation,
+            "RELAUNCH_AGENT_CPUS": str(max(1, cores // max(1, self.agents_on_host))),
+            "RELAUNCH_AGENT_GPUS": "none",
             **(extra_env or {}),
         }
         self.spawn(name, args, env, prefix)

@@ -6,6 +6,7 @@ fails the job at start-up without spending a restart. CPU jobs get a thread coun
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,15 @@ import pytest
 
 from service.client import RelaunchClient
 from service.local_cluster import LocalCluster
-from tests.e2e.helpers import POLL_S, dumped_on_failure, running_cluster, wait_terminal
+from tests.e2e.helpers import (
+    POLL_S,
+    assert_trained,
+    dumped_on_failure,
+    regression,
+    running_cluster,
+    wait_terminal,
+    wait_world_size,
+)
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -84,7 +93,7 @@ def test_a_cuda_worker_that_sees_fewer_devices_than_local_ranks_fails_without_a_
     assert job["state"] == "FAILED", job
     assert job["restart_count"] == 0, job
     assert "DeviceShortage" in job["message"], job
-    assert "CUDA_VISIBLE_DEVICES=0,1" in job["message"], job
+    assert "CUDA_VISIBLE_DEVICES='0,1'" in job["message"], job
 
 
 def test_a_cuda_job_no_node_can_hold_waits_with_its_reason(client: RelaunchClient) -> None:
@@ -141,3 +150,32 @@ def test_a_thread_count_the_job_sets_is_kept(
     assert wait_terminal(client, job_id)["state"] == "SUCCEEDED"
     (env,) = _environments(gpu_cluster.snapshot_dir(job_id), 1)
     assert env["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_host_a_one_gpu_job_survives_a_worker_kill_and_a_bigger_one_waits(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """One agent that finds this host's GPUs itself (NVML): a CUDA job of one worker is
+    placed on GPU 0, trains on it, survives a SIGKILL of its worker; a job that wants one
+    GPU more than the node has waits with its reason."""
+    with running_cluster(tmp_path_factory.mktemp("gpu-host")) as cluster:
+        cluster.start_agent("gpu-node", extra_env={"RELAUNCH_AGENT_GPUS": ""})
+        cluster.wait_nodes(1)
+        with cluster.client() as client:
+            (node,) = [n for n in client.nodes() if n["state"] == "ALIVE"]
+            assert node["gpus"], node
+            too_many = len(node["gpus"]) + 1
+            big = client.submit(regression("too-big", "1", device="cuda", nproc_per_node=too_many))
+            job_id = client.submit(regression("one-gpu", "1", device="cuda"))["id"]
+            wait_world_size(client, job_id, 1, after_step=6)
+            (worker,) = cluster.job_workers(job_id)
+            worker.send_signal(signal.SIGKILL)
+            job = wait_terminal(client, job_id)
+            assert_trained(client, job)
+            assert job["restart_count"] == 1, job
+            assert job["device"] == "cuda", job
+            waiting = client.job(big["id"])
+            assert waiting["state"] == "PENDING", waiting
+            assert f"{too_many} free GPU" in waiting["message"], waiting
+            client.cancel(big["id"])

@@ -98,6 +98,19 @@ def test_jobs_of_one_one_and_four_gpus_fill_nodes_of_two_and_four_on_disjoint_gp
     assert reasons(actions) == {}
 
 
+def test_jobs_of_one_two_and_four_gpus_on_nodes_of_four_and_two() -> None:
+    """The issue's case: 7 GPUs asked of 6. The first two are placed on disjoint GPUs and
+    the third, which no node can hold whole any more, waits and says why."""
+    nodes = [node(1, gpus=4), node(2, gpus=2)]
+    jobs = [pending(1, per_node=1), pending(2, per_node=2), pending(3, per_node=4)]
+    actions = plan(T0, nodes, jobs, TIMEOUT)
+    assert placements(actions) == {1: ("cuda", {2: (0,)}), 2: ("cuda", {1: (0, 1)})}
+    assert reasons(actions) == {
+        3: "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
+        "(2 alive nodes have GPUs, the most free on one is 2)"
+    }
+
+
 def test_jobs_of_two_and_four_gpus_take_the_node_each_fits() -> None:
     nodes = [node(1, gpus=4), node(2, gpus=2)]
     actions = plan(T0, nodes, [pending(1, per_node=2), pending(2, per_node=4)], TIMEOUT)
