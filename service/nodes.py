@@ -182,7 +182,8 @@ def assignments_for(
 
 @dataclass(frozen=True)
 class Serving:
-    """A running attempt a node serves, and the node's GPUs its membership holds."""
+    """An attempt a node serves (running, or ended while its launcher finishes), and the
+    node's GPUs its membership holds."""
 
     attempt: Attempt
     gpus: tuple[int, ...]
@@ -191,8 +192,9 @@ class Serving:
 def list_nodes(
     session: Session, limit: int, offset: int
 ) -> tuple[list[tuple[Node, list[Serving]]], int]:
-    """A page of nodes by id, each with the running attempts it serves (by attempt id: one
-    on "cpu", or any number on "cuda"); and the total."""
+    """A page of nodes by id, each with the attempts its ACTIVE memberships serve (by
+    attempt id: one on "cpu", or any number on "cuda"), an attempt that ended included
+    while its launcher there finishes; and the total."""
     nodes = list(session.scalars(select(Node).order_by(Node.id).limit(limit).offset(offset)))
     total = session.scalar(select(func.count()).select_from(Node)) or 0
     serving: dict[int, list[Serving]] = defaultdict(list)
@@ -202,7 +204,6 @@ def list_nodes(
         .where(
             AttemptMember.node_id.in_([n.id for n in nodes]),
             AttemptMember.state == MemberState.ACTIVE,
-            Attempt.state == AttemptState.RUNNING,
         )
         .order_by(Attempt.id)
     )

@@ -41,7 +41,7 @@ from service.api.deps import (
     UserDep,
 )
 from service.db import retry_on_stale, transaction
-from service.models import Node, Role
+from service.models import Node, Role, User
 from service.schemas import NodeGpuPublic, NodePublic, NodesPublic
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
@@ -108,12 +108,12 @@ def list_nodes(
     """Every node with its GPUs and their use; the job a node (or a GPU) serves is shown
     only to that job's owner and to admins."""
     page, total = nodes.list_nodes(session, limit, offset)
+    visible = [(node, serving, [s for s in serving if may_see(user, s)]) for node, serving in page]
     zygotes = nodes.zygote_memory(
-        session, [(node.id, serving[0].attempt.id) for node, serving in page if serving]
+        session, [(node.id, mine[0].attempt.id) for node, _, mine in visible if mine]
     )
     items = []
-    for node, serving in page:
-        mine = [s for s in serving if user.role is Role.ADMIN or s.attempt.job.owner_id == user.id]
+    for node, serving, mine in visible:
         shown = mine[0].attempt if mine else None
         holder = {g: s.attempt.job_id for s in mine for g in s.gpus}
         held = {g for s in serving for g in s.gpus}
@@ -129,7 +129,7 @@ def list_nodes(
                 busy=bool(serving),
                 attempt_id=shown.id if shown else None,
                 job_id=shown.job_id if shown else None,
-                zygote_rss_bytes=zygotes.get((node.id, serving[0].attempt.id)) if serving else None,
+                zygote_rss_bytes=zygotes.get((node.id, shown.id)) if shown else None,
                 cpus=node.cpus,
                 gpu_driver=node.gpu_driver,
                 cuda_version=node.cuda_version,
@@ -137,6 +137,11 @@ def list_nodes(
             )
         )
     return NodesPublic(items=items, total=total, limit=limit, offset=offset)
+
+
+def may_see(user: User, serving: nodes.Serving) -> bool:
+    """Whether ``user`` may see which job ``serving`` is: its owner's, or an admin."""
+    return user.role is Role.ADMIN or serving.attempt.job.owner_id == user.id
 
 
 def gpus_public(node: Node, held: set[int], holder: dict[int, int]) -> list[NodeGpuPublic]:
