@@ -1,13 +1,15 @@
 """Where a new attempt fits: pure answers about the room alive nodes have, for ``plan``.
 
 A node is held by one attempt on "cpu" (the whole node) or by any number of
-attempts on "cuda", each on GPUs of its own. Nothing here reads a database.
+attempts on "cuda", each on GPUs of its own; unless told otherwise, only by attempts
+of one owner (``CUDA_VISIBLE_DEVICES`` is no isolation between jobs on one node).
+Nothing here reads a database.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from contract.protocol import Device
@@ -24,11 +26,31 @@ class NodeRoom(Protocol):
     def gpus(self) -> tuple[int, ...]: ...
 
 
-def resolve_device(wanted: str, any_gpus: bool) -> Device:
+# Whose job holds a node or its GPUs: a user's id; None for a job without an owner.
+Owner = int | None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """An ACTIVE membership on a node: the owner of its job, its attempt's device and the
+    GPUs it holds (none on "cpu")."""
+
+    owner: Owner
+    device: Device
+    gpus: tuple[int, ...] = ()
+
+
+def gpu_nodes_enough(alive: Sequence[NodeRoom], min_nodes: int, per_node: int) -> bool:
+    """Whether at least ``min_nodes`` of ``alive`` have ``per_node`` GPUs each, free or not."""
+    return sum(1 for n in alive if len(n.gpus) >= per_node) >= min_nodes
+
+
+def resolve_device(wanted: str, gpus_enough: bool) -> Device:
     """The device an attempt is placed for: ``JobSpec.device``, where "auto" is "cuda" if
-    any alive node has GPUs (``any_gpus``) when the attempt is placed, else "cpu"."""
+    enough alive nodes have enough GPUs for it (``gpu_nodes_enough``: it would not wait
+    for ever) when the attempt is placed, else "cpu"."""
     if wanted == "auto":
-        return "cuda" if any_gpus else "cpu"
+        return "cuda" if gpus_enough else "cpu"
     if wanted not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {wanted!r}")
     return "cuda" if wanted == "cuda" else "cpu"
@@ -90,49 +112,86 @@ class Room:
     """What the alive nodes have free for a new attempt or member.
 
     On "cpu": the nodes no attempt holds with enough slots, those without GPUs first,
-    then by id. On "cuda": the nodes that no attempt on "cpu" holds (``whole``) with
-    enough GPUs that no attempt holds (``held``, by node), those with the fewest free
-    first (best fit: a job that fits a small node leaves a big one whole for a job that
-    needs it), then by id; each gives its lowest free indices. Each question is worked
-    out once; ``taking`` gives the room that is left."""
+    then by id (or only those without GPUs, ``gpu_less``). On "cuda": the nodes that no
+    attempt on "cpu" holds (``whole``) and no attempt of another owner holds (``owners``,
+    by node; unless ``share``), with enough GPUs that no attempt holds (``held``, by
+    node), those with the fewest free first (best fit: a job that fits a small node
+    leaves a big one whole for a job that needs it), then by id; each gives its lowest
+    free indices. Each question is worked out once; ``taking`` gives the room that is
+    left."""
 
     def __init__(
-        self, alive: Sequence[NodeRoom], whole: set[int], held: dict[int, set[int]]
+        self,
+        alive: Sequence[NodeRoom],
+        whole: set[int],
+        held: dict[int, set[int]],
+        owners: dict[int, set[Owner]] | None = None,
+        share: bool = False,
     ) -> None:
         self._alive = alive
         self._whole = whole
         self._held = held
-        idle = [n for n in alive if n.id not in whole and n.id not in held]
-        self._idle = BySlots(sorted(idle, key=lambda n: (bool(n.gpus), n.id)))
+        self._owners = {} if owners is None else owners
+        self._share = share
+        idle = sorted(
+            (n for n in alive if n.id not in whole and n.id not in held),
+            key=lambda n: (bool(n.gpus), n.id),
+        )
+        self._idle = BySlots(idle)
+        self._idle_gpu_less = BySlots([n for n in idle if not n.gpus])
         self._free_gpus = {
             n.id: sorted(set(n.gpus) - held.get(n.id, set()))
             for n in alive
             if n.gpus and n.id not in whole
         }
-        self._by_count: dict[int, list[Fit]] = {}
+        self._by_count: dict[tuple[int, Owner], list[Fit]] = {}
+        self._most_free: dict[Owner, int] = {}
 
-    def fitting(self, device: Device, per_node: int) -> list[Fit]:
-        """The nodes an attempt on ``device`` with ``per_node`` workers may take, the ones
-        it should take first first."""
+    def _free_for(self, owner: Owner) -> dict[int, list[int]]:
+        """The free GPUs, by node, of the nodes an attempt of ``owner`` on "cuda" may share."""
+        if self._share:
+            return self._free_gpus
+        return {
+            i: free for i, free in self._free_gpus.items() if self._owners.get(i, set()) <= {owner}
+        }
+
+    def fitting(
+        self, device: Device, per_node: int, owner: Owner = None, gpu_less: bool = False
+    ) -> list[Fit]:
+        """The nodes an attempt of ``owner`` on ``device`` with ``per_node`` workers may
+        take, the ones it should take first first."""
         if device == "cpu":
-            return [(i, ()) for i in self._idle.ids(per_node)]
-        if per_node not in self._by_count:
-            fits = [(i, free) for i, free in self._free_gpus.items() if len(free) >= per_node]
+            by_slots = self._idle_gpu_less if gpu_less else self._idle
+            return [(i, ()) for i in by_slots.ids(per_node)]
+        key = (per_node, None if self._share else owner)
+        if key not in self._by_count:
+            free_for = self._free_for(owner)
+            fits = [(i, free) for i, free in free_for.items() if len(free) >= per_node]
             fits.sort(key=lambda fit: (len(fit[1]), fit[0]))
-            self._by_count[per_node] = [(i, tuple(free[:per_node])) for i, free in fits]
-        return self._by_count[per_node]
+            self._by_count[key] = [(i, tuple(free[:per_node])) for i, free in fits]
+        return self._by_count[key]
 
-    @functools.cached_property
-    def most_free(self) -> int:
-        """The most GPUs free on one node that may take an attempt on "cuda"."""
-        return max((len(free) for free in self._free_gpus.values()), default=0)
+    def most_free(self, owner: Owner = None) -> int:
+        """The most GPUs free on one node that may take an attempt of ``owner`` on "cuda"."""
+        key = None if self._share else owner
+        if key not in self._most_free:
+            free_for = self._free_for(owner)
+            self._most_free[key] = max((len(free) for free in free_for.values()), default=0)
+        return self._most_free[key]
 
     def taking(
-        self, device: Device, node_ids: Sequence[int], gpus: Sequence[Sequence[int]]
+        self,
+        device: Device,
+        node_ids: Sequence[int],
+        gpus: Sequence[Sequence[int]],
+        owner: Owner = None,
     ) -> Room:
         if device == "cpu":
-            return Room(self._alive, self._whole | set(node_ids), self._held)
+            whole = self._whole | set(node_ids)
+            return Room(self._alive, whole, self._held, self._owners, self._share)
         held = dict(self._held)
+        owners = dict(self._owners)
         for node_id, taken in zip(node_ids, gpus, strict=True):
             held[node_id] = held.get(node_id, set()) | set(taken)
-        return Room(self._alive, self._whole, held)
+            owners[node_id] = owners.get(node_id, set()) | {owner}
+        return Room(self._alive, self._whole, held, owners, self._share)

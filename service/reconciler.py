@@ -43,7 +43,16 @@ from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
 from service.metrics import ControllerMetrics
 from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.nodes import mark_lost
-from service.placement import BySlots, Room, by_id, gpu_waiting_reason, resolve_device
+from service.placement import (
+    BySlots,
+    Hold,
+    Owner,
+    Room,
+    by_id,
+    gpu_nodes_enough,
+    gpu_waiting_reason,
+    resolve_device,
+)
 from service.settings import ControllerSettings
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, MemberState, NodeState
@@ -58,6 +67,9 @@ class NodeView:
     last_heartbeat_at: datetime
     slots: int
     gpus: tuple[int, ...] = ()  # the indices of its GPUs
+    # ACTIVE memberships of attempts that have ended (their launchers are finishing):
+    # they hold the node (on "cpu") or their GPUs (on "cuda") as long as they last.
+    ending: tuple[Hold, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class JobView:
     message: str = ""
     device: Device = "cpu"  # the running attempt's
     member_gpus: tuple[tuple[int, ...], ...] = ()  # the GPUs each of ``members`` holds
+    owner: Owner = None  # the id of the user who submitted it
 
 
 @dataclass(frozen=True)
@@ -155,7 +168,11 @@ def _waiting_reason(job: JobView, free: int, busy: int, too_small: int) -> str:
 
 
 def plan(
-    now: datetime, nodes: Sequence[NodeView], jobs: Sequence[JobView], node_timeout: timedelta
+    now: datetime,
+    nodes: Sequence[NodeView],
+    jobs: Sequence[JobView],
+    node_timeout: timedelta,
+    share_gpu_nodes: bool = False,
 ) -> list[Action]:
     """Decide what to do now. Pure: same inputs, same actions.
 
@@ -177,8 +194,11 @@ def plan(
     at most its slots; nodes without GPUs first) or by any number of attempts on
     "cuda", each on ``nproc_per_node`` GPUs of its own: the nodes with the fewest
     free GPUs that fit first, on each its lowest free indices (``placement.Room``).
-    A job's device is resolved when it is placed (``resolve_device``); scale-up
-    keeps the attempt's.
+    Attempts on "cuda" share a node only if their jobs have one owner, unless
+    ``share_gpu_nodes``. A membership of an ended attempt that is still ACTIVE
+    (``NodeView.ending``) holds what it held. A job's device is resolved when it is
+    placed (``resolve_device``); scale-up keeps the attempt's, and an attempt on
+    "cpu" grows only onto nodes without GPUs (it would hold them whole until it ends).
     """
     actions: list[Action] = []
     lost = {
@@ -196,6 +216,14 @@ def plan(
     running: list[tuple[JobView, list[int]]] = []
     whole: set[int] = set()  # nodes an attempt on "cpu" holds
     held: dict[int, set[int]] = {}  # GPUs attempts on "cuda" hold, by node
+    owners: dict[int, set[Owner]] = {}  # whose attempts on "cuda" hold GPUs, by node
+    for n in alive:
+        for ended in n.ending:
+            if ended.device == "cuda":
+                held.setdefault(n.id, set()).update(ended.gpus)
+                owners.setdefault(n.id, set()).add(ended.owner)
+            else:
+                whole.add(n.id)
     for job in jobs:
         if not job.state.is_active() or job.attempt_id is None:
             continue
@@ -207,6 +235,7 @@ def plan(
             for node_id, holds in zip(job.members, job.member_gpus, strict=True):
                 if node_id in alive_ids:
                     held.setdefault(node_id, set()).update(holds)
+                    owners.setdefault(node_id, set()).add(job.owner)
         else:
             whole.update(remaining)
         running.append((job, remaining))
@@ -223,24 +252,27 @@ def plan(
             pending.append(job)
     # By what a job asks: a deep queue asks the same few questions of the nodes.
     big_enough_for = BySlots(alive)
-    room = Room(alive, whole, held)
+    room = Room(alive, whole, held, owners, share_gpu_nodes)
     reasons: dict[tuple[object, ...], str] = {}  # by what a job needs and the counts
     for job in pending:
-        device = resolve_device(job.spec.device, with_gpus > 0)
         per_node = job.spec.nproc_per_node
-        fitting = room.fitting(device, per_node)
+        enough = gpu_nodes_enough(alive, job.spec.min_nodes, per_node)
+        device = resolve_device(job.spec.device, enough)
+        fitting = room.fitting(device, per_node, job.owner)
         if len(fitting) >= job.spec.min_nodes:
             chosen, gpus = by_id(device, fitting[: job.spec.max_nodes])
             actions.append(PlaceJob(job.id, chosen, device, gpus))
-            room = room.taking(device, chosen, gpus)
+            room = room.taking(device, chosen, gpus, job.owner)
             continue
         # Nodes placed for an older job in this pass count as busy: they are, next pass.
         asked: tuple[object, ...]
         if device == "cuda":
-            asked = (device, job.spec.min_nodes, per_node, len(fitting), with_gpus, room.most_free)
+            # The GPUs of a node another owner's job is on are not free for this one.
+            most_free = room.most_free(job.owner)
+            asked = (device, job.spec.min_nodes, per_node, len(fitting), with_gpus, most_free)
             if asked not in reasons:
                 reasons[asked] = gpu_waiting_reason(
-                    job.spec.min_nodes, per_node, len(fitting), with_gpus, room.most_free
+                    job.spec.min_nodes, per_node, len(fitting), with_gpus, most_free
                 )
         else:
             big_enough = len(big_enough_for.ids(per_node))
@@ -255,13 +287,14 @@ def plan(
         room_for = job.spec.max_nodes - len(remaining)
         if room_for <= 0 or job.attempt_id is None:
             continue
-        fitting = room.fitting(job.device, job.spec.nproc_per_node)
+        # On "cpu" only nodes without GPUs: there is no scale-down to give them back.
+        fitting = room.fitting(job.device, job.spec.nproc_per_node, job.owner, gpu_less=True)
         # On "cuda" a member node may have GPUs to spare; the attempt takes a node once.
         others = [(i, g) for i, g in fitting if i not in remaining][:room_for]
         if others:
             chosen, gpus = by_id(job.device, others)
             actions.append(AddMembers(job.id, job.attempt_id, chosen, gpus))
-            room = room.taking(job.device, chosen, gpus)
+            room = room.taking(job.device, chosen, gpus, job.owner)
     return actions
 
 
@@ -279,24 +312,30 @@ SpecCache = dict[tuple[int, datetime], JobSpec]
 def load_views(
     session: Session, specs: SpecCache | None = None
 ) -> tuple[list[NodeView], list[JobView]]:
-    """The nodes (with their GPUs) and the open jobs, each open job with its running
-    attempt's device and active members (with the GPUs each holds).
+    """The nodes (with their GPUs, and what ended attempts' active members still hold on
+    them) and the open jobs, each open job with its owner and its running attempt's
+    device and active members (with the GPUs each holds).
 
     A fixed number of statements however many jobs are open: nodes, open jobs,
-    their running attempts, those attempts' active members, and the specs of the
-    jobs ``specs`` lacks (one statement per ``chunked`` run of them);
+    their running attempts, every active member (of any attempt), and the specs of
+    the jobs ``specs`` lacks (one statement per ``chunked`` run of them);
     the views are put together here. ``specs`` is kept from pass to pass: it is
     left holding the open jobs' specs only. A job with two running attempts is an
     error, as ``running_attempt`` says.
     """
     specs = {} if specs is None else specs
     node_columns = (Node.id, Node.state, Node.last_heartbeat_at, Node.slots, Node.gpus)
-    nodes = [
-        NodeView(node_id, state, seen, slots, tuple(sorted(int(g["index"]) for g in gpus or ())))
-        for node_id, state, seen, slots, gpus in session.execute(select(*node_columns))
-    ]
+    node_rows = session.execute(select(*node_columns)).all()
     open_jobs = Job.state.in_([s for s in JobState if not s.is_terminal()])
-    columns = (Job.id, Job.state, Job.created_at, Job.waiting_since, Job.not_before, Job.message)
+    columns = (
+        Job.id,
+        Job.state,
+        Job.created_at,
+        Job.waiting_since,
+        Job.not_before,
+        Job.message,
+        Job.owner_id,
+    )
     rows = session.execute(select(*columns).where(open_jobs)).all()
     running = (
         select(Attempt.id, Attempt.job_id, Attempt.device)
@@ -310,25 +349,45 @@ def load_views(
             raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
         attempt_of[job_id] = running_id
         device_of[running_id] = "cuda" if device == "cuda" else "cpu"
+    # Every ACTIVE member: an attempt that SUCCEEDED keeps its members ACTIVE until their
+    # launchers report, and until then they hold what they held.
     members = (
-        select(AttemptMember.attempt_id, AttemptMember.node_id, AttemptMember.gpus)
+        select(
+            AttemptMember.attempt_id,
+            AttemptMember.node_id,
+            AttemptMember.gpus,
+            Attempt.device,
+            Job.owner_id,
+        )
         .join(Attempt, Attempt.id == AttemptMember.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(
-            open_jobs,
-            Attempt.state == AttemptState.RUNNING,
-            AttemptMember.state == MemberState.ACTIVE,
-        )
+        .where(AttemptMember.state == MemberState.ACTIVE)
         .order_by(AttemptMember.id)
     )
     members_of: dict[int, list[int]] = defaultdict(list)
     gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
-    for running_id, node_id, gpus in session.execute(members):
-        members_of[running_id].append(node_id)
-        gpus_of[running_id].append(tuple(gpus or ()))
+    ending: dict[int, list[Hold]] = defaultdict(list)
+    for member_of, node_id, gpus, device, held_by in session.execute(members):
+        if member_of in device_of:
+            members_of[member_of].append(node_id)
+            gpus_of[member_of].append(tuple(gpus or ()))
+        else:
+            on: Device = "cuda" if device == "cuda" else "cpu"
+            ending[node_id].append(Hold(held_by, on, tuple(gpus or ()) if on == "cuda" else ()))
+    nodes = [
+        NodeView(
+            node_id,
+            state,
+            seen,
+            slots,
+            tuple(sorted(int(g["index"]) for g in gpus or ())),
+            tuple(ending.get(node_id, ())),
+        )
+        for node_id, state, seen, slots, gpus in node_rows
+    ]
     _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
     jobs: list[JobView] = []
-    for job_id, state, created_at, waiting_since, not_before, message in rows:
+    for job_id, state, created_at, waiting_since, not_before, message, owner in rows:
         attempt_id = attempt_of.get(job_id)
         jobs.append(
             JobView(
@@ -343,6 +402,7 @@ def load_views(
                 message=message,
                 device=device_of.get(attempt_id, "cpu") if attempt_id is not None else "cpu",
                 member_gpus=tuple(gpus_of.get(attempt_id, ())) if attempt_id is not None else (),
+                owner=owner,
             )
         )
     return nodes, jobs
@@ -465,7 +525,7 @@ class Reconciler:
             replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
             for n in nodes
         ]
-        actions = plan(now, nodes, jobs, node_timeout)
+        actions = plan(now, nodes, jobs, node_timeout, self._settings.share_gpu_nodes_across_users)
         phase.done("plan")
         self._apply_all(leadership, actions, now)
         phase.done("apply")
@@ -556,21 +616,30 @@ class Reconciler:
         node_ids: Sequence[int],
         device: Device,
         gpus: Sequence[Sequence[int]],
+        owner: Owner,
         joining: int | None = None,
     ) -> list[Node]:
         """The named nodes, locked, if every one is alive and still has the room the action
-        decided on: on "cpu", no running attempt's active member; on "cuda", no member of an
-        attempt on "cpu" nor of ``joining`` (the attempt the nodes join, if any), and each
-        node's ``gpus`` are its own and held by no other member. ``StaleState`` if not."""
+        decided on: on "cpu", no active member of any attempt (one that ended holds the node
+        until its launcher reports); on "cuda", no member of an attempt on "cpu" nor of
+        ``joining`` (the attempt the nodes join, if any), none of a job another user than
+        ``owner`` owns (unless settings allow), and each node's ``gpus`` are its own and
+        held by no other member. ``StaleState`` if not."""
         stmt = select(Node).where(Node.id.in_(node_ids)).with_for_update().order_by(Node.id)
         nodes = list(session.scalars(stmt))
         holders = session.execute(
-            select(AttemptMember.node_id, Attempt.id, Attempt.device, AttemptMember.gpus)
+            select(
+                AttemptMember.node_id,
+                Attempt.id,
+                Attempt.device,
+                AttemptMember.gpus,
+                Job.owner_id,
+            )
             .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+            .join(Job, Job.id == Attempt.job_id)
             .where(
                 AttemptMember.node_id.in_(node_ids),
                 AttemptMember.state == MemberState.ACTIVE,
-                Attempt.state == AttemptState.RUNNING,
             )
         ).all()
         if len(nodes) != len(node_ids):
@@ -586,9 +655,12 @@ class Reconciler:
             taking = wanted[node.id]
             if len(set(taking)) != len(taking) or not set(taking) <= set(node.gpu_indices):
                 raise StaleState(f"node {node.id} has no GPUs {list(taking)} to give")
-        for node_id, attempt_id, held_device, held_gpus in holders:
+        share = self._settings.share_gpu_nodes_across_users
+        for node_id, attempt_id, held_device, held_gpus, held_by in holders:
             if held_device != "cuda" or attempt_id == joining:
                 raise StaleState(f"node {node_id} is no longer free for attempts on cuda")
+            if held_by != owner and not share:
+                raise StaleState(f"node {node_id} serves another user's job on cuda")
             if set(wanted[node_id]) & set(held_gpus):
                 raise StaleState(f"GPUs {list(wanted[node_id])} of node {node_id} are taken")
         return nodes
@@ -599,7 +671,7 @@ class Reconciler:
             raise StaleState(f"job {job.id} is {job.state}, not waiting to be placed")
         if job.not_before is not None and now < job.not_before:
             raise StaleState(f"job {job.id} backs off until {job.not_before}")
-        nodes = self._room_on(session, action.node_ids, action.device, action.gpus)
+        nodes = self._room_on(session, action.node_ids, action.device, action.gpus, job.owner_id)
         resumes = " and resumes from its newest snapshot" if job.attempt_count else ""
         change_job_state(session, job, JobState.RUNNING, now, message="")
         job.waiting_since = job.not_before = None
@@ -636,7 +708,11 @@ class Reconciler:
         device: Device = "cuda" if attempt.device == "cuda" else "cpu"
         if (device == "cuda") != bool(action.gpus):
             raise StaleState(f"attempt {attempt.id} runs on {device}; the action assumed not")
-        nodes = self._room_on(session, action.node_ids, device, action.gpus, joining=attempt.id)
+        nodes = self._room_on(
+            session, action.node_ids, device, action.gpus, job.owner_id, joining=attempt.id
+        )
+        if device == "cpu" and any(node.gpus for node in nodes):
+            raise StaleState(f"attempt {attempt.id} on cpu grows only onto nodes without GPUs")
         gpus = dict(zip(action.node_ids, action.gpus, strict=True)) if action.gpus else {}
         for node in nodes:
             add_member(session, attempt, node, now, gpus.get(node.id, ()))

@@ -66,6 +66,13 @@ class ControllerSettings(BaseSettings):
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     node_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     reconcile_interval_s: float = Field(default=0.5, gt=0, le=60)
+    share_gpu_nodes_across_users: bool = Field(
+        default=False,
+        description="Let CUDA jobs of different users share a node (each on GPUs of its "
+        "own). CUDA_VISIBLE_DEVICES is no isolation: a job can use and read the memory of "
+        "every GPU of its node. Only for one trusted organisation; by default a CUDA job "
+        "shares a node only with CUDA jobs of the same user",
+    )
 
     controller_id: str = Field(
         default_factory=_default_controller_id,

@@ -129,9 +129,10 @@ class JobSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto",
         description="Where the workers run. 'cuda': on nproc_per_node GPUs of each node, "
-        "which other CUDA jobs may share but no CPU job; 'cpu': on whole nodes. 'auto': "
-        "decided whenever an attempt is placed: 'cuda' if any alive node has GPUs then "
-        "(the job waits for free GPUs), else 'cpu'",
+        "which the same user's other CUDA jobs may share but no CPU job; 'cpu': on whole "
+        "nodes. 'auto': decided whenever an attempt is placed: 'cuda' if at least min_nodes "
+        "alive nodes each have nproc_per_node GPUs then, free or not (the job waits for "
+        "free GPUs), else 'cpu'",
     )
     max_restarts: int = Field(
         default=3,

@@ -14,8 +14,9 @@ from service.db import transaction
 from service.errors import StaleState
 from service.models import Role
 from service.reconciler import PlaceJob, Reconciler
+from service.settings import ControllerSettings
 from tests.helpers import FakeClock
-from tests.service.helpers import Cluster, bearer, heartbeat, job, register, submit
+from tests.service.helpers import Cluster, bearer, heartbeat, job, register, report, submit
 
 GIB = 1024**3
 
@@ -266,3 +267,88 @@ def test_a_placement_decided_on_stale_gpus_is_skipped(
     with transaction(factory) as session:
         reconciler.apply(session, PlaceJob(late, (node_id,), "cuda", ((1,),)), clock())
     assert [m["gpus"] for m in job(api, late)["attempts"][0]["members"]] == [[1]]
+
+
+def submit_as(api: Cluster, token: str, nnodes: str = "1", **extra: Any) -> int:
+    spec = {"name": "j", "task": {"name": "regression"}, "nnodes": nnodes, **extra}
+    r = api.post("/api/v1/jobs", json=spec, headers=bearer(token))
+    assert r.status_code == 201, r.text
+    job_id: int = r.json()["id"]
+    return job_id
+
+
+def test_cuda_jobs_of_two_users_never_share_a_node(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """CUDA_VISIBLE_DEVICES is no isolation: another user's job gets a node of its own, or
+    waits, in the plan and again under the node's lock when it is applied."""
+    g1 = register_gpu_node(api, "g1", 4)
+    mine = submit(api, "1")
+    reconciler.run_once()
+    someone = api.add_user("someone", Role.USER)
+    theirs = submit_as(api, someone, device="cuda")
+    reconciler.run_once()
+    assert (job(api, theirs)["state"], job(api, theirs)["message"]) == (
+        "PENDING",
+        "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
+        "(1 alive node has GPUs, the most free on one is 0)",
+    )
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with pytest.raises(StaleState), transaction(factory) as session:
+        reconciler.apply(session, PlaceJob(theirs, (g1,), "cuda", ((1,),)), clock())
+    register_gpu_node(api, "g2", 4)
+    again = submit(api, "1")
+    reconciler.run_once()
+    placed_on = {
+        j: [m["node_name"] for m in job(api, j)["attempts"][0]["members"]]
+        for j in (mine, theirs, again)
+    }
+    assert placed_on == {mine: ["g1"], theirs: ["g2"], again: ["g1"]}
+
+
+def test_a_succeeded_attempts_finishing_member_holds_its_gpus_until_it_reports(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    """An attempt that SUCCEEDED keeps its other members ACTIVE while their launchers finish:
+    their GPUs stay held (placement, apply and the nodes' view) until they report."""
+    g1 = register_gpu_node(api, "g1", 1)
+    g2 = register_gpu_node(api, "g2", 1)
+    first = submit(api, "2")
+    reconciler.run_once()
+    attempt_id = job(api, first)["attempts"][0]["id"]
+    done = {"outcome": "succeeded", "exit_code": 0}
+    assert report(api, g1, attempt_id, exit=done).status_code == 200
+    assert job(api, first)["state"] == "SUCCEEDED"
+    second, third = submit(api, "1"), submit(api, "1")
+    reconciler.run_once()
+    assert [m["node_name"] for m in job(api, second)["attempts"][0]["members"]] == ["g1"]
+    assert job(api, third)["state"] == "PENDING"
+    shown = nodes_by_name(api)["g2"]
+    assert (shown["busy"], shown["gpus"][0]["held"]) == (True, True)
+    assert report(api, g2, attempt_id, exit=done).status_code == 200
+    reconciler.run_once()
+    assert [m["node_name"] for m in job(api, third)["attempts"][0]["members"]] == ["g2"]
+
+
+def test_a_shared_node_shows_the_callers_own_zygote_memory(
+    api: Cluster, reconciler: Reconciler, settings: ControllerSettings
+) -> None:
+    """Where users may share GPU nodes, the zygote memory a user sees is that of the
+    attempt shown, the caller's own, never another user's."""
+    settings.share_gpu_nodes_across_users = True
+    g = register_gpu_node(api, "g", 2)
+    someone, me = api.add_user("someone", Role.USER), api.add_user("me", Role.USER)
+    theirs = submit_as(api, someone)
+    reconciler.run_once()
+    mine = submit_as(api, me)
+    reconciler.run_once()
+    attempts = {j: job(api, j)["attempts"][0]["id"] for j in (theirs, mine)}
+    ready = {"state": "ready", "pid": 7, "import_s": 1.0, "rss_bytes": 300 * 2**20}
+    zygote = {"time": "2026-01-01T00:00:00+00:00", "kind": "zygote", "data": ready}
+    assert report(api, g, attempts[theirs], events=[zygote]).status_code == 200
+    shown = nodes_by_name(api, me)["g"]
+    assert (shown["job_id"], shown["zygote_rss_bytes"]) == (mine, None)
+    assert nodes_by_name(api, someone)["g"]["zygote_rss_bytes"] == 300 * 2**20
+    ready["rss_bytes"] = 200 * 2**20
+    assert report(api, g, attempts[mine], events=[zygote]).status_code == 200
+    assert nodes_by_name(api, me)["g"]["zygote_rss_bytes"] == 200 * 2**20

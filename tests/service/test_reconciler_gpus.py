@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from service.placement import resolve_device
+from service.placement import Hold, resolve_device
 from service.reconciler import (
     Action,
     AddMembers,
@@ -32,7 +32,12 @@ def node(id: int, gpus: int = 0, slots: int = 8, state: NodeState = NodeState.AL
 
 
 def pending(
-    id: int, per_node: int = 1, nnodes: str = "1", device: SpecDevice = "auto", message: str = ""
+    id: int,
+    per_node: int = 1,
+    nnodes: str = "1",
+    device: SpecDevice = "auto",
+    message: str = "",
+    owner: int | None = None,
 ) -> JobView:
     spec = JobSpec(
         name="j",
@@ -47,6 +52,7 @@ def pending(
         created_at=T0 + timedelta(seconds=id),
         spec=spec,
         message=message,
+        owner=owner,
     )
 
 
@@ -56,6 +62,7 @@ def running(
     per_node: int = 1,
     nnodes: str = "1",
     device: Literal["cpu", "cuda"] = "cuda",
+    owner: int | None = None,
 ) -> JobView:
     """A running job whose attempt on ``device`` has a member on each node of ``on``,
     holding those GPUs."""
@@ -68,6 +75,7 @@ def running(
         members=tuple(on),
         device=device,
         member_gpus=tuple(on.values()) if device == "cuda" else (),
+        owner=owner,
     )
 
 
@@ -152,7 +160,7 @@ def test_a_job_on_several_nodes_takes_its_gpus_on_each() -> None:
     nodes = [node(1, gpus=4), node(2, gpus=2), node(3, gpus=2)]
     actions = plan(T0, nodes, [pending(1, per_node=2, nnodes="2:3")], TIMEOUT)
     assert placements(actions) == {1: ("cuda", {1: (0, 1), 2: (0, 1), 3: (0, 1)})}
-    too_few = plan(T0, nodes, [pending(2, per_node=4, nnodes="2")], TIMEOUT)
+    too_few = plan(T0, nodes, [pending(2, per_node=4, nnodes="2", device="cuda")], TIMEOUT)
     assert reasons(too_few) == {
         2: "waiting for GPUs: needs 2 nodes with 4 free GPUs each; only 1 node has 4 free GPUs "
         "(3 alive nodes have GPUs)"
@@ -239,18 +247,90 @@ def test_scale_up_keeps_the_attempts_device_and_takes_gpus_on_other_nodes() -> N
     nodes = [node(1, gpus=4), node(2, gpus=2), node(3)]
     job = running(1, {1: (0, 1)}, per_node=2, nnodes="1:3")
     assert plan(T0, nodes, [job], TIMEOUT) == [AddMembers(1, 101, (2,), ((0, 1),))]
-    cpu_job = running(2, {3: ()}, nnodes="1:2", device="cpu")
-    assert plan(T0, nodes, [cpu_job], TIMEOUT) == [AddMembers(2, 102, (1,), ())]
 
 
 def test_a_deep_queue_waiting_for_gpus_is_told_why_once() -> None:
     """Jobs asking the same get the same reason; once told, a pass decides nothing."""
     nodes = [node(1, gpus=2)]
-    queue = [pending(i, per_node=4) for i in range(1, 30)]
+    queue = [pending(i, per_node=4, device="cuda") for i in range(1, 30)]
     why = (
         "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
         "(1 alive node has GPUs, the most free on one is 2)"
     )
     assert set(reasons(plan(T0, nodes, queue, TIMEOUT)).values()) == {why}
-    told = [pending(i, per_node=4, message=why) for i in range(1, 30)]
+    told = [pending(i, per_node=4, device="cuda", message=why) for i in range(1, 30)]
     assert plan(T0, nodes, told, TIMEOUT) == []
+
+
+def test_cuda_jobs_of_different_users_do_not_share_a_node_by_default() -> None:
+    """CUDA_VISIBLE_DEVICES is no isolation: another user's job waits for a node of its own,
+    and its reason does not count the GPUs it may not have as free."""
+    nodes = [node(1, gpus=4)]
+    jobs = [running(1, {1: (0,)}, owner=7), pending(2, owner=8), pending(3, owner=7)]
+    actions = plan(T0, nodes, jobs, TIMEOUT)
+    assert placements(actions) == {3: ("cuda", {1: (1,)})}
+    assert reasons(actions) == {
+        2: "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
+        "(1 alive node has GPUs, the most free on one is 0)"
+    }
+    shared = plan(T0, nodes, jobs, TIMEOUT, share_gpu_nodes=True)
+    assert placements(shared) == {2: ("cuda", {1: (1,)}), 3: ("cuda", {1: (2,)})}
+
+
+def test_a_node_placed_for_one_user_in_a_pass_is_not_given_to_another() -> None:
+    nodes = [node(1, gpus=4), node(2, gpus=2)]
+    jobs = [pending(1, owner=7), pending(2, owner=8), pending(3, owner=9)]
+    actions = plan(T0, nodes, jobs, TIMEOUT)
+    assert placements(actions) == {1: ("cuda", {2: (0,)}), 2: ("cuda", {1: (0,)})}
+    assert set(reasons(actions)) == {3}
+
+
+def test_a_cuda_job_grows_only_onto_nodes_no_other_user_is_on() -> None:
+    nodes = [node(1, gpus=2), node(2, gpus=2), node(3, gpus=2)]
+    jobs = [running(1, {1: (0,)}, nnodes="1:3", owner=7), running(2, {2: (0,)}, owner=8)]
+    assert plan(T0, nodes, jobs, TIMEOUT) == [AddMembers(1, 101, (3,), ((0,),))]
+
+
+def test_auto_is_cpu_unless_min_nodes_alive_nodes_have_nproc_per_node_gpus() -> None:
+    """auto would otherwise be cuda and wait for ever for GPUs no node has."""
+    nodes = [node(1, gpus=4), node(2), node(3)]
+    assert placements(plan(T0, nodes, [pending(1, per_node=8)], TIMEOUT)) == {1: ("cpu", {2: ()})}
+    two = plan(T0, nodes, [pending(2, per_node=2, nnodes="2")], TIMEOUT)
+    assert placements(two) == {2: ("cpu", {2: (), 3: ()})}
+    assert placements(plan(T0, nodes, [pending(3, per_node=4)], TIMEOUT)) == {
+        3: ("cuda", {1: (0, 1, 2, 3)})
+    }
+    # Enough GPUs in total though not free now: it waits for them on cuda.
+    busy = [running(4, {1: (0, 1)}, per_node=2), pending(5, per_node=4)]
+    assert set(reasons(plan(T0, nodes, busy, TIMEOUT))) == {5}
+    assert resolve_device("auto", gpus_enough=True) == "cuda"
+    assert resolve_device("auto", gpus_enough=False) == "cpu"
+
+
+def test_a_cpu_attempt_grows_only_onto_nodes_without_gpus() -> None:
+    """There is no scale-down: a node with GPUs it took would wait for CUDA jobs until it
+    ends. Placing it first may still use one."""
+    nodes = [node(1, gpus=4), node(2), node(3, gpus=2)]
+    cpu_job = running(2, {2: ()}, nnodes="1:3", device="cpu")
+    assert plan(T0, nodes, [cpu_job], TIMEOUT) == []
+    with_room = [*nodes, node(4)]
+    assert plan(T0, with_room, [cpu_job], TIMEOUT) == [AddMembers(2, 102, (4,), ())]
+    first = plan(T0, nodes, [pending(3, device="cpu", nnodes="2")], TIMEOUT)
+    assert placements(first) == {3: ("cpu", {1: (), 2: ()})}
+
+
+def test_ended_attempts_members_still_active_hold_their_gpus_and_nodes() -> None:
+    """An attempt that SUCCEEDED keeps its members ACTIVE until their launchers report."""
+    finishing = Hold(owner=7, device="cuda", gpus=(0, 1))
+    nodes = [NodeView(1, NodeState.ALIVE, T0, 8, (0, 1, 2, 3), (finishing,)), node(2)]
+    actions = plan(T0, nodes, [pending(1, per_node=4, device="cuda", owner=7)], TIMEOUT)
+    assert set(reasons(actions)) == {1}
+    same_user = plan(T0, nodes, [pending(2, per_node=2, owner=7)], TIMEOUT)
+    assert placements(same_user) == {2: ("cuda", {1: (2, 3)})}
+    other_user = plan(T0, nodes, [pending(3, device="cuda", owner=8)], TIMEOUT)
+    assert set(reasons(other_user)) == {3}
+    whole = Hold(owner=7, device="cpu")
+    cpu_held = [NodeView(1, NodeState.ALIVE, T0, 8, (), (whole,))]
+    assert reasons(plan(T0, cpu_held, [pending(4, device="cpu")], TIMEOUT)) == {
+        4: "waiting for nodes: needs 1, 0 are free and 1 is busy with other jobs"
+    }
