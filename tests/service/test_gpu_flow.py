@@ -13,7 +13,7 @@ from sqlalchemy import Engine, event
 from service.db import transaction
 from service.errors import StaleState
 from service.models import Role
-from service.reconciler import PlaceJob, Reconciler
+from service.reconciler import AddMembers, PlaceJob, Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
 from tests.service.helpers import Cluster, bearer, heartbeat, job, register, report, submit
@@ -307,7 +307,7 @@ def test_cuda_jobs_of_two_users_never_share_a_node(
 
 
 def test_a_succeeded_attempts_finishing_member_holds_its_gpus_until_it_reports(
-    api: Cluster, reconciler: Reconciler
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     """An attempt that SUCCEEDED keeps its other members ACTIVE while their launchers finish:
     their GPUs stay held (placement, apply and the nodes' view) until they report."""
@@ -325,6 +325,9 @@ def test_a_succeeded_attempts_finishing_member_holds_its_gpus_until_it_reports(
     assert job(api, third)["state"] == "PENDING"
     shown = nodes_by_name(api)["g2"]
     assert (shown["busy"], shown["gpus"][0]["held"]) == (True, True)
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with pytest.raises(StaleState), transaction(factory) as session:
+        reconciler.apply(session, PlaceJob(third, (g2,), "cuda", ((0,),)), clock())
     assert report(api, g2, attempt_id, exit=done).status_code == 200
     reconciler.run_once()
     assert [m["node_name"] for m in job(api, third)["attempts"][0]["members"]] == ["g2"]
@@ -352,3 +355,19 @@ def test_a_shared_node_shows_the_callers_own_zygote_memory(
     ready["rss_bytes"] = 200 * 2**20
     assert report(api, g, attempts[mine], events=[zygote]).status_code == 200
     assert nodes_by_name(api, me)["g"]["zygote_rss_bytes"] == 200 * 2**20
+
+
+def test_a_cpu_attempt_is_not_grown_onto_a_gpu_node_even_by_a_stale_action(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    a = register(api, "a")
+    cpu = submit(api, "1:2", device="cpu")
+    reconciler.run_once()
+    g = register_gpu_node(api, "g", 2)
+    reconciler.run_once()
+    [attempt] = job(api, cpu)["attempts"]
+    assert [m["node_name"] for m in attempt["members"]] == ["a"]
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with pytest.raises(StaleState), transaction(factory) as session:
+        reconciler.apply(session, AddMembers(cpu, attempt["id"], (g,)), clock())
+    assert heartbeat(api, a) and heartbeat(api, g) == []
