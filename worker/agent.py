@@ -10,8 +10,10 @@ One loop on one thread owns everything (``NodeAgent.run``):
    The registration offers the node's cores and GPUs (``worker.gpus``: found once,
    by ``run_agent``, before the loop starts);
 2. every heartbeat interval: send the running attempts and the GPUs' use, receive
-   the complete set of assignments, and reconcile: start those not running, stop those no
-   longer assigned (``plan_reconcile`` decides, the loop acts); end the workers
+   the complete set of assignments, and reconcile: stop those no longer assigned, start
+   those not running (``plan_reconcile`` decides, the loop acts), except one whose GPUs
+   (or node) the workers of another attempt here still hold: it waits for a later
+   heartbeat (``start_blocker``); end the workers
    of an attempt that lost a member, so they re-form at once
    (``Attempt.follow_membership``);
 3. every report interval: settle exits, send new output and events, and the
@@ -38,7 +40,7 @@ from types import FrameType
 
 from contract.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
 from worker import gpus, node_token, procs, sandbox
-from worker.attempt import Attempt, attempt_marker
+from worker.attempt import Attempt, attempt_label, attempt_marker
 from worker.client import (
     ControllerClient,
     ControllerError,
@@ -104,6 +106,28 @@ def plan_reconcile(
     return ReconcilePlan(start=tuple(start.values()), stop=stop)
 
 
+def start_blocker(
+    assignment: Assignment, busy: Iterable[Assignment], node_has_gpus: bool
+) -> Assignment | None:
+    """The attempt whose workers ``assignment`` must wait for before it starts, or None.
+
+    ``busy``: attempts this node holds whose workers may still run (running, or being
+    stopped). The controller may give a GPU of an attempt that just ended here to a new
+    one in the same reply; the new one waits until the old one's workers are gone. On a
+    node with GPUs a CPU attempt takes the node whole: it waits for every busy attempt,
+    and every attempt waits for a busy CPU one; a CUDA attempt waits for a busy CUDA
+    attempt that has any of its GPUs. On a node without GPUs nothing waits.
+    """
+    if not node_has_gpus:
+        return None
+    for other in busy:
+        if assignment.device == "cpu" or other.device == "cpu":
+            return other
+        if set(assignment.gpus) & set(other.gpus):
+            return other
+    return None
+
+
 class NodeAgent:
     def __init__(
         self,
@@ -119,6 +143,7 @@ class NodeAgent:
         self._stop = threading.Event()
         self._attempts: dict[int, Attempt] = {}
         self._finished: deque[RunKey] = deque(maxlen=_REMEMBERED_FINISHED)
+        self._deferred: set[RunKey] = set()  # assignments waiting for busy GPUs, logged once
         self._ledger = procs.PidLedger(settings.work_dir / "pids.json")
         self._node_id: int | None = None
         self._heartbeat_s = _DEFAULT_HEARTBEAT_S
@@ -286,18 +311,42 @@ class NodeAgent:
             set(self._finished),
             {aid: a.assignment.member_id for aid, a in self._attempts.items()},
         )
+        for aid in plan.stop:
+            self._attempts[aid].stop("no longer assigned to this node")  # does not block
+        self._deferred &= {run_key(a) for a in reply.assignments}
         for assignment in plan.start:
+            if self._waits(assignment):
+                continue
             attempt = Attempt(
                 assignment, self._settings, self._client.node_token, self._inventory.indices
             )
             self._attempts[assignment.attempt_id] = attempt
             attempt.start()
-        for aid in plan.stop:
-            self._attempts[aid].stop("no longer assigned to this node")  # does not block
         for assignment in reply.assignments:
             held = self._attempts.get(assignment.attempt_id)
             if held is not None and held.assignment.member_id == assignment.member_id:
                 held.follow_membership(assignment)  # does not block
+
+    def _waits(self, assignment: Assignment) -> bool:
+        """Whether ``assignment`` must wait (for a later heartbeat) for the workers of an
+        attempt that holds its devices here (``start_blocker``); logged once per run."""
+        busy = [a.assignment for a in self._attempts.values() if a.may_hold_devices]
+        blocker = start_blocker(assignment, busy, bool(self._inventory.gpus))
+        key = run_key(assignment)
+        if blocker is None:
+            self._deferred.discard(key)
+            return False
+        if key not in self._deferred:
+            self._deferred.add(key)
+            logger.info(
+                "[%s] waits to start: the workers of [%s] still run on %s",
+                attempt_label(assignment),
+                attempt_label(blocker),
+                f"GPU(s) {sorted(set(assignment.gpus) & set(blocker.gpus))}"
+                if assignment.device == "cuda" and blocker.device == "cuda"
+                else "this node, which a CPU attempt takes whole",
+            )
+        return True
 
     def _report_all(self) -> None:
         reachable = True

@@ -594,6 +594,12 @@ class Attempt:
         return self._stopper is not None and self._stopper.is_alive()
 
     @property
+    def may_hold_devices(self) -> bool:
+        """Whether the attempt's workers may still run here: started and not yet seen to
+        end, or being stopped."""
+        return self.exit is None or self.stopping
+
+    @property
     def done(self) -> bool:
         """Nothing left to do or say: exit delivered (or refused), no stop under way."""
         return self.exit_delivered and not self.stopping

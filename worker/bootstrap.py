@@ -24,7 +24,7 @@ bootstrap adds these things around it:
 - the moments of the process's start (``worker.runtime.startup``): once torch
   is imported, and the first optimizer step;
 - a quick end after a collective broke because a peer went away
-  (``message_says_peer_lost``): once the error is recorded, the traceback printed and
+  (``error_says_peer_lost``): once the error is recorded, the traceback printed and
   the ``atexit`` handlers run, the process exits at once (status 1), skipping the
   interpreter's last garbage collection, in which the broken process group's
   queued work holds the exit for a second or more. Non-daemon threads are not
@@ -87,12 +87,25 @@ CHARGED_MARKERS = (
 )
 
 
-def message_says_peer_lost(message: str) -> bool:
-    """Whether an error's text says a collective broke because a peer went away, and
-    for no reason of its own (the markers above)."""
-    return any(m in message for m in PEER_LOST_MARKERS) and not any(
-        m in message for m in CHARGED_MARKERS
-    )
+# The exception types torch's collectives raise: gloo's errors are ``RuntimeError``s,
+# NCCL's and the stores' torch.distributed's ``DistError`` family. By name: the launcher
+# reads an error only as ``@record`` wrote it, "Type: text". Any other type (a script's
+# own ``BrokenPipeError`` or ``ConnectionResetError``, say of a data source that went
+# down) is the script's failure, whatever its text.
+COLLECTIVE_ERRORS = frozenset(
+    {"RuntimeError", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}
+)
+
+
+def error_says_peer_lost(error: str) -> bool:
+    """Whether ``error``, "Type: text" as ``@record`` writes it, is a collective's failure
+    because a peer went away, and for no reason of its own: one of
+    ``COLLECTIVE_ERRORS`` with a marker above. ``error`` must be whole, not cut for
+    display: the reason that overrides may come last."""
+    kind, _, text = error.partition(":")
+    if kind.strip() not in COLLECTIVE_ERRORS:
+        return False
+    return any(m in text for m in PEER_LOST_MARKERS) and not any(m in text for m in CHARGED_MARKERS)
 
 
 class EntrypointNotFound(ImportError):
@@ -125,9 +138,9 @@ def run_program(argv: Sequence[str]) -> None:
 
 
 def peer_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective's failure because a peer went away (torch's
-    ``DistBackendError`` and gloo's errors are ``RuntimeError``s)."""
-    return isinstance(exc, RuntimeError) and message_says_peer_lost(str(exc))
+    """Whether ``exc`` is a collective's failure because a peer went away: the
+    launcher's rule (``error_says_peer_lost``) on what ``@record`` writes of it."""
+    return error_says_peer_lost(f"{type(exc).__name__}: {exc}")
 
 
 def run_worker(argv: Sequence[str]) -> None:

@@ -58,7 +58,7 @@ from contract.events import (
 from contract.labels import label_from_environ
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import procs, warm
-from worker.bootstrap import STACK_DUMP_SIGNAL, message_says_peer_lost
+from worker.bootstrap import STACK_DUMP_SIGNAL, error_says_peer_lost
 from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
@@ -76,7 +76,12 @@ MAX_MESSAGE_CHARS = 1000
 
 
 def failure_message(failure: Any) -> str:
-    """A one-line reason from a torch ``ProcessFailure``.
+    """A one-line reason from a torch ``ProcessFailure``, cut for display (``bounded``)."""
+    return bounded(full_failure_message(failure))
+
+
+def full_failure_message(failure: Any) -> str:
+    """A torch ``ProcessFailure``'s whole reason, what failures are classified on.
 
     ``failure.message`` is the error file's message: a string, or a dict
     ``{"message": "Type: text", "extraInfo": {...}}`` written by ``@record``.
@@ -87,7 +92,7 @@ def failure_message(failure: Any) -> str:
         message = message.get("message") or str(message)
     if failure.error_file == _NO_ERROR_FILE and failure.exitcode > 0:
         return f"exited with code {failure.exitcode}"
-    return bounded(str(message))
+    return str(message)
 
 
 def bounded(text: str) -> str:
@@ -159,14 +164,17 @@ class Supervision:
     def classify(self, failure: Any) -> tuple[str, bool]:
         """(cause, fatal) of one torch ``ProcessFailure``, the first rule that fits:
 
+        Texts are read whole (``full_failure_message``), not as cut for the event.
+
         1. the node agent ended the workers for a lost member: ``membership_change``;
         2. this launcher ended it as hung: ``hang``;
         3. an exit code the job calls fatal: ``fatal_exit_code``, fatal;
         4. a start-up error (``STARTUP_ERRORS`` by type, ``NO_DEVICE_MARKERS`` by
            text): ``startup_error``, fatal;
         5. a collective that broke because a peer went away, gloo's or NCCL's
-           (``worker.bootstrap.message_says_peer_lost``; a collective timeout or a
-           local NCCL error is not one): ``peer_lost``, free;
+           (``worker.bootstrap.error_says_peer_lost``: an error of the types torch's
+           collectives raise; a collective timeout or a local NCCL error is not one):
+           ``peer_lost``, free;
         6. anything else, a signal included: ``crash``. NCCL's watchdog ends a process
            with SIGABRT where ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears it down (1, 3);
            no error file says why then, so that is a crash too.
@@ -177,12 +185,12 @@ class Supervision:
             return "hang", False
         if failure.exitcode in self.policy.fatal_exit_codes:
             return "fatal_exit_code", True
-        message = failure_message(failure)
+        message = full_failure_message(failure)  # a reason may come past the display's cut
         if message.split(":", 1)[0].strip() in STARTUP_ERRORS:
             return "startup_error", True
         if any(marker in message for marker in NO_DEVICE_MARKERS):
             return "startup_error", True
-        if message_says_peer_lost(message):
+        if error_says_peer_lost(message):
             return "peer_lost", False
         return "crash", False
 

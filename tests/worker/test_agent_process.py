@@ -5,6 +5,7 @@ receives, and serves the launchers' rendezvous from memory (``contract.rendezvou
 as the service serves it from its database.
 """
 
+import logging
 import os
 import signal
 import subprocess
@@ -47,7 +48,11 @@ from contract.rendezvous import (
     encode,
 )
 from tests.helpers import wait_for
-from worker import procs
+from tests.worker.fake_nvml import FakeNvml, four_gpus
+from worker import gpus, procs
+from worker.agent import NodeAgent
+from worker.client import ControllerClient
+from worker.settings import AgentSettings
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = f"agent-test-{uuid.uuid4().hex[:8]}"
@@ -401,3 +406,58 @@ def _run_scenario(fake: FakeController, short: Path, long: Path) -> None:
         last = fake.heartbeats[-1]
     assert [r.attempt_id for r in last.running] == []
     assert _processes_of(1) == []
+
+
+def test_an_attempt_on_a_gpu_node_waits_until_the_one_it_replaces_is_gone(
+    tmp_path: Path,
+    controller: tuple[FakeController, str],
+    cleanup: list[subprocess.Popen[bytes]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The controller gives the node a CUDA attempt in the reply that withdraws the CPU
+    attempt it ran: the CPU attempt took the node whole, so the new one starts only once
+    the old one's workers are gone (NVML faked: four GPUs)."""
+    fake, url = controller
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text(_LONG)
+    short.write_text(_SHORT)
+    settings = AgentSettings(
+        enrolment_token="enrolment-secret",
+        controller_url=url,
+        name=NODE,
+        work_dir=tmp_path / "agent",
+        report_interval_s=0.2,
+        stop_grace_s=2,
+    )
+    inventory = gpus.GpuInventory.open(None, FakeNvml(four_gpus()))
+    with ControllerClient(url, "enrolment-secret") as client:
+        agent = NodeAgent(settings, client, inventory=inventory)
+        loop = threading.Thread(target=agent.run, daemon=True)
+        with caplog.at_level(logging.INFO, logger="worker"):
+            loop.start()
+            try:
+                with fake.lock:
+                    fake.assignments[5] = _assignment(5, long, nproc=1)
+                wait_for(
+                    "attempt 5's worker output",
+                    lambda: any("tick" in line.line for r in fake.of(5) for line in r.logs),
+                )
+                cuda = _assignment(6, short, nproc=1).model_copy(
+                    update={"device": "cuda", "gpus": [2]}
+                )
+                with fake.lock:
+                    del fake.assignments[5]
+                    fake.assignments[6] = cuda
+                wait_for("attempt 6's exit", lambda: any(r.exit for r in fake.of(6)), 60)
+            finally:
+                agent.request_stop()
+                loop.join(30)
+    [stopped] = [r.exit for r in fake.of(5) if r.exit]
+    assert stopped.outcome == "stopped"
+    messages = [r.getMessage() for r in caplog.records]
+    waits = [i for i, m in enumerate(messages) if "attempt id 6] waits to start" in m]
+    assert len(waits) == 1, messages  # said once, however many heartbeats it waited
+    assert "the workers of [job 105 attempt id 5] still run" in messages[waits[0]]
+    gone = next(i for i, m in enumerate(messages) if "attempt id 5] stopped" in m)
+    started = next(i for i, m in enumerate(messages) if "attempt id 6] started launcher" in m)
+    assert waits[0] < gone < started

@@ -1,5 +1,5 @@
 from contract.protocol import Assignment, Entrypoint, RendezvousConfig
-from worker.agent import plan_reconcile
+from worker.agent import plan_reconcile, start_blocker
 
 
 def _assignment(attempt_id: int) -> Assignment:
@@ -67,3 +67,24 @@ def test_an_old_run_still_held_is_stopped_before_the_new_membership_starts() -> 
     assert (plan.start, plan.stop) == ((), (1,))
     plan = plan_reconcile([_membership(1, 11)], held={1}, finished=set(), held_members={1: 11})
     assert (plan.start, plan.stop) == ((), ())
+
+
+def _on(attempt_id: int, device: str, gpus: list[int]) -> Assignment:
+    return _assignment(attempt_id).model_copy(update={"device": device, "gpus": gpus})
+
+
+def test_a_cuda_attempt_waits_for_a_busy_one_on_any_of_its_gpus() -> None:
+    old = _on(1, "cuda", [0, 1])
+    assert start_blocker(_on(2, "cuda", [1, 2]), [old], node_has_gpus=True) == old
+    assert start_blocker(_on(2, "cuda", [2, 3]), [old], node_has_gpus=True) is None
+
+
+def test_on_a_gpu_node_a_cpu_attempt_takes_the_node_whole() -> None:
+    cuda, cpu = _on(1, "cuda", [0]), _on(2, "cpu", [])
+    assert start_blocker(_on(3, "cpu", []), [cuda], node_has_gpus=True) == cuda
+    assert start_blocker(_on(3, "cuda", [3]), [cpu], node_has_gpus=True) == cpu
+    assert start_blocker(_on(3, "cpu", []), [], node_has_gpus=True) is None
+
+
+def test_on_a_node_without_gpus_nothing_waits() -> None:
+    assert start_blocker(_on(3, "cpu", []), [_on(1, "cpu", [])], node_has_gpus=False) is None

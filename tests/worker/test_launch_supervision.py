@@ -127,6 +127,41 @@ def test_nccl_and_cuda_failures_are_classified(
     assert supervision.classify(failure) == (cause, fatal)
 
 
+# NCCL's message for a communicator aborted for a timeout, with the C++ frames torch
+# puts before the reason: the reason comes past the event's cut (MAX_MESSAGE_CHARS).
+_FRAMES = "".join(
+    f"frame #{i}: c10d::ProcessGroupNCCL::Watchdog::run() + 0x{i:x}\n" for i in range(40)
+)
+_ABORTED_LATE = (
+    f"DistBackendError: NCCL communicator was aborted on rank 1.\n{_FRAMES}"
+    f"Original reason for failure was: {_TIMED_OUT}"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "cause"),
+    [
+        ("BrokenPipeError: [Errno 32] Broken pipe", "crash"),
+        ("ConnectionResetError: [Errno 104] Connection reset by peer", "crash"),
+        ("OSError: [Errno 104] Connection reset by peer", "crash"),
+        ("DistNetworkError: [gloo/pair.cc:537] Read error: Connection reset by peer", "peer_lost"),
+        ("DistError: Connection closed by peer", "peer_lost"),
+        (_ABORTED_LATE, "crash"),
+        (_ABORTED_LATE.replace(_TIMED_OUT, "NCCL error: remote process exited or there was "
+                               "a network error"), "peer_lost"),
+    ],
+    ids=["broken-pipe", "connection-reset", "os-error", "dist-network-error", "dist-error",
+         "timeout-past-the-cut", "lost-peer-past-the-cut"],
+)  # fmt: skip
+def test_only_torchs_collective_errors_read_whole_can_lose_a_peer(
+    tmp_path: Path, message: str, cause: str
+) -> None:
+    """A script's own socket errors cost a restart (a deterministic bug must not restart
+    for free forever); the reason of an aborted communicator counts wherever it comes."""
+    supervision, _ = _supervision(tmp_path)
+    assert supervision.classify(_raised(message)) == (cause, False)
+
+
 def test_a_fatal_failure_is_recorded_with_its_reason(tmp_path: Path) -> None:
     supervision, path = _supervision(tmp_path)
     failures = {
@@ -344,3 +379,25 @@ def test_a_collective_that_timed_out_did_not_lose_its_peer(message: str, lost: b
     from worker.bootstrap import peer_lost
 
     assert peer_lost(RuntimeError(message)) is lost
+
+
+class _OwnError(RuntimeError):
+    """A script's own exception, a RuntimeError but none of torch's collectives'."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "lost"),
+    [
+        (RuntimeError("[gloo/pair.cc:537] Read error: Connection reset by peer"), True),
+        (ConnectionResetError(104, "Connection reset by peer"), False),
+        (BrokenPipeError(32, "Broken pipe"), False),
+        (_OwnError("upload failed: Connection reset by peer"), False),
+    ],
+    ids=["gloo", "connection-reset", "broken-pipe", "own-runtime-error"],
+)
+def test_the_bootstrap_ends_quickly_only_for_torchs_collective_errors(
+    exc: BaseException, lost: bool
+) -> None:
+    from worker.bootstrap import peer_lost
+
+    assert peer_lost(exc) is lost

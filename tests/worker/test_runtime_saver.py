@@ -73,6 +73,36 @@ def test_copy_off_keeps_the_structure_and_waits_for_no_gpu_on_the_cpu(
     assert copied["w"].data_ptr() != weight.data_ptr()
 
 
+def test_a_captured_state_waits_for_the_gpu_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor of the model, optimizer, scheduler and scaler is queued first, then
+    one wait for the whole state (each tensor taken here for one on GPU 0)."""
+    gpu = torch.device("cuda", 0)
+    waits: list[torch.device] = []
+
+    def as_if_on_the_gpu(tensor: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
+        devices.add(gpu)
+        return tensor.to("cpu", copy=True)
+
+    monkeypatch.setattr(saver_module, "_copy_tensor", as_if_on_the_gpu)
+    monkeypatch.setattr(torch.cuda, "synchronize", waits.append)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 2)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    snapshot = capture_state(
+        model, optimizer, scheduler, scaler=scaler, step=1, epoch=0, samples_consumed=3,
+        world_size=1, seed=0, device=torch.device("cpu"),
+    )  # fmt: skip
+    assert waits == [gpu]
+    assert_same_state(snapshot.model_state, model.state_dict())
+    assert snapshot.optimizer_state["state"][0]["step"] == 1
+    assert snapshot.scheduler_state == scheduler.state_dict()
+    assert snapshot.scaler_state == scaler.state_dict()
+
+
 def test_a_save_due_while_one_is_in_flight_is_dropped_not_doubled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

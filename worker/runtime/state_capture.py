@@ -30,16 +30,26 @@ def capture_state(
 ) -> TrainingState:
     """A snapshot of the run after ``step``; ``model`` must be the unwrapped module.
 
-    Every tensor is a private CPU copy (``saver.copy_off``): training may go on
-    changing the live ones while the snapshot is written. ``extra`` records the
+    Every tensor is a private CPU copy (``saver.copy_off``, once for the whole state,
+    so the GPU is waited for once): training may go on changing the live ones while
+    the snapshot is written. ``extra`` records the
     job and attempt that wrote it, when the agent set them.
     """
     ids = (("job_id", JOB_ID_ENV), ("attempt_id", ATTEMPT_ID_ENV))
+    # One copy_off for all of it: every GPU copy is queued first, then one wait.
+    model_state, optimizer_state, scheduler_state, scaler_state = copy_off(
+        (
+            model.state_dict(),
+            optimizer.state_dict(),
+            scheduler.state_dict() if scheduler is not None else None,
+            scaler.state_dict() if scaler is not None else None,
+        )
+    )
     return TrainingState(
-        model_state=copy_off(model.state_dict()),
-        optimizer_state=copy_off(optimizer.state_dict()),
-        scheduler_state=copy_off(scheduler.state_dict()) if scheduler is not None else None,
-        scaler_state=copy_off(scaler.state_dict()) if scaler is not None else None,
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        scheduler_state=scheduler_state,
+        scaler_state=scaler_state,
         step=step,
         epoch=epoch,
         samples_consumed=samples_consumed,
