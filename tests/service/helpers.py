@@ -4,11 +4,15 @@ that nodes and users make in most tests."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 from fastapi.testclient import TestClient
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Engine
 
 from service import auth
 from service.db import transaction
@@ -122,3 +126,18 @@ def job(api: TestClient, job_id: int) -> dict[str, Any]:
 
 def kinds(api: TestClient, job_id: int) -> list[str]:
     return [e["kind"] for e in api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
+
+
+@contextmanager
+def statements(engine: Engine) -> Iterator[list[str]]:
+    """Every statement sent on ``engine`` meanwhile (an executemany counts once)."""
+    sent: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        sent.append(statement)
+
+    sa_event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield sent
+    finally:
+        sa_event.remove(engine, "before_cursor_execute", note)

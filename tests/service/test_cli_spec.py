@@ -12,8 +12,28 @@ from service import cli
 from service.cli import app
 
 
-def test_submit_sends_the_working_dir_flag_over_the_spec_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("in_file", "flags", "sent_on_top"),
+    [
+        (
+            "working_dir: /data/old",
+            ["--working-dir", "/data/runs/exp1"],
+            {"working_dir": "/data/runs/exp1"},
+        ),
+        (
+            "device: cpu",
+            ["--device", "cuda", "--nproc-per-node", "4"],
+            {"device": "cuda", "nproc_per_node": 4},
+        ),
+    ],
+    ids=["working_dir", "device"],
+)
+def test_submit_sends_its_flags_over_the_spec_files(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    in_file: str,
+    flags: list[str],
+    sent_on_top: dict[str, Any],
 ) -> None:
     sent: list[dict[str, Any]] = []
 
@@ -25,32 +45,9 @@ def test_submit_sends_the_working_dir_flag_over_the_spec_files(
 
     monkeypatch.setattr(cli.RelaunchClient, "submit", submit)
     spec_file = tmp_path / "job.yaml"
-    spec_file.write_text("name: j\nscript: {path: /opt/train.py}\nworking_dir: /data/old\n")
-    args = ["submit", str(spec_file), "--working-dir", "/data/runs/exp1"]
-    result = CliRunner().invoke(app, args, env={"RELAUNCH_TOKEN": "rlu_anything"})
+    spec_file.write_text(f"name: j\nscript: {{path: /opt/train.py}}\n{in_file}\n")
+    result = CliRunner().invoke(
+        app, ["submit", str(spec_file), *flags], env={"RELAUNCH_TOKEN": "rlu_anything"}
+    )
     assert result.exit_code == 0, result.output
-    assert sent == [
-        {"name": "j", "script": {"path": "/opt/train.py"}, "working_dir": "/data/runs/exp1"}
-    ]
-
-
-def test_submit_sends_the_device_flag_over_the_spec_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sent: list[dict[str, Any]] = []
-
-    def submit(
-        self: object, spec: dict[str, Any], *, idempotency_key: str | None = None
-    ) -> dict[str, Any]:
-        sent.append(spec)
-        return {"id": 7, "name": spec["name"], "state": "PENDING"}
-
-    monkeypatch.setattr(cli.RelaunchClient, "submit", submit)
-    spec_file = tmp_path / "job.yaml"
-    spec_file.write_text("name: j\nscript: {path: /opt/train.py}\ndevice: cpu\n")
-    args = ["submit", str(spec_file), "--device", "cuda", "--nproc-per-node", "4"]
-    result = CliRunner().invoke(app, args, env={"RELAUNCH_TOKEN": "rlu_anything"})
-    assert result.exit_code == 0, result.output
-    assert sent == [
-        {"name": "j", "script": {"path": "/opt/train.py"}, "device": "cuda", "nproc_per_node": 4}
-    ]
+    assert sent == [{"name": "j", "script": {"path": "/opt/train.py"}, **sent_on_top}]

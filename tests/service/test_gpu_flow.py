@@ -3,12 +3,9 @@ placed on disjoint GPUs, and what the API shows of it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event
 
 from service.db import transaction
 from service.errors import StaleState
@@ -16,7 +13,16 @@ from service.models import Role
 from service.reconciler import AddMembers, PlaceJob, Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
-from tests.service.helpers import Cluster, bearer, heartbeat, job, register, report, submit
+from tests.service.helpers import (
+    Cluster,
+    bearer,
+    heartbeat,
+    job,
+    register,
+    report,
+    statements,
+    submit,
+)
 
 GIB = 1024**3
 
@@ -50,20 +56,6 @@ def nodes_by_name(api: Cluster, token: str | None = None) -> dict[str, dict[str,
     r = api.get("/api/v1/nodes", headers=headers)
     assert r.status_code == 200, r.text
     return {n["name"]: n for n in r.json()["items"]}
-
-
-@contextmanager
-def statements(engine: Engine) -> Iterator[list[str]]:
-    sent: list[str] = []
-
-    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        sent.append(statement)
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield sent
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
 
 
 def test_cuda_jobs_run_on_disjoint_gpus_and_the_api_shows_who_holds_which(

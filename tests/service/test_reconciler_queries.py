@@ -3,31 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine
 
 from service.reconciler import Reconciler
-from tests.service.helpers import Cluster, heartbeat, job, register, submit
-
-
-@contextmanager
-def statements(engine: Engine) -> Iterator[list[str]]:
-    """Every statement sent on ``engine`` meanwhile (an executemany counts once)."""
-    sent: list[str] = []
-
-    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        sent.append(statement)
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield sent
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
+from tests.service.helpers import Cluster, heartbeat, job, register, statements, submit
 
 
 def passes(
