@@ -15,6 +15,7 @@ from service import rendezvous
 from service.errors import StaleState
 from service.job_events import add_event
 from service.models import Attempt, AttemptMember, Job, Node
+from service.placement import stored_device
 from service.secrets import Keyring, open_env
 from service.settings import ControllerSettings
 from service.spec import JobSpec
@@ -243,6 +244,6 @@ def assignment_for(
         membership_generation=membership_generation(attempt),
         active_members=sum(1 for m in attempt.members if m.state is MemberState.ACTIVE),
         memberships=len(attempt.members),
-        device="cuda" if attempt.device == "cuda" else "cpu",
+        device=stored_device(attempt.device),
         gpus=list(gpus),
     )

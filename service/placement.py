@@ -40,20 +40,36 @@ class Hold:
     gpus: tuple[int, ...] = ()
 
 
-def gpu_nodes_enough(alive: Sequence[NodeRoom], min_nodes: int, per_node: int) -> bool:
-    """Whether at least ``min_nodes`` of ``alive`` have ``per_node`` GPUs each, free or not."""
-    return sum(1 for n in alive if len(n.gpus) >= per_node) >= min_nodes
+class GpuNodes:
+    """How many of ``alive`` have at least so many GPUs, free or not, worked out once for
+    each number asked (a deep queue asks the same few)."""
+
+    def __init__(self, alive: Sequence[NodeRoom]) -> None:
+        self._alive = alive
+        self._counts: dict[int, int] = {}
+
+    def enough(self, min_nodes: int, per_node: int) -> bool:
+        """Whether at least ``min_nodes`` nodes have ``per_node`` GPUs each."""
+        if per_node not in self._counts:
+            self._counts[per_node] = sum(1 for n in self._alive if len(n.gpus) >= per_node)
+        return self._counts[per_node] >= min_nodes
+
+
+def stored_device(value: str | None) -> Device:
+    """An attempt's stored device as placement reads it: "cuda", or else "cpu" (what rows
+    from before devices were recorded hold)."""
+    return "cuda" if value == "cuda" else "cpu"
 
 
 def resolve_device(wanted: str, gpus_enough: bool) -> Device:
     """The device an attempt is placed for: ``JobSpec.device``, where "auto" is "cuda" if
-    enough alive nodes have enough GPUs for it (``gpu_nodes_enough``: it would not wait
+    enough alive nodes have enough GPUs for it (``GpuNodes.enough``: it would not wait
     for ever) when the attempt is placed, else "cpu"."""
     if wanted == "auto":
         return "cuda" if gpus_enough else "cpu"
     if wanted not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {wanted!r}")
-    return "cuda" if wanted == "cuda" else "cpu"
+    return stored_device(wanted)
 
 
 def gpu_waiting_reason(

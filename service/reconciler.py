@@ -45,13 +45,14 @@ from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.nodes import mark_lost
 from service.placement import (
     BySlots,
+    GpuNodes,
     Hold,
     Owner,
     Room,
     by_id,
-    gpu_nodes_enough,
     gpu_waiting_reason,
     resolve_device,
+    stored_device,
 )
 from service.settings import ControllerSettings
 from service.spec import JobSpec
@@ -252,12 +253,12 @@ def plan(
             pending.append(job)
     # By what a job asks: a deep queue asks the same few questions of the nodes.
     big_enough_for = BySlots(alive)
+    gpu_nodes = GpuNodes(alive)
     room = Room(alive, whole, held, owners, share_gpu_nodes)
     reasons: dict[tuple[object, ...], str] = {}  # by what a job needs and the counts
     for job in pending:
         per_node = job.spec.nproc_per_node
-        enough = gpu_nodes_enough(alive, job.spec.min_nodes, per_node)
-        device = resolve_device(job.spec.device, enough)
+        device = resolve_device(job.spec.device, gpu_nodes.enough(job.spec.min_nodes, per_node))
         fitting = room.fitting(device, per_node, job.owner)
         if len(fitting) >= job.spec.min_nodes:
             chosen, gpus = by_id(device, fitting[: job.spec.max_nodes])
@@ -348,7 +349,7 @@ def load_views(
         if job_id in attempt_of:
             raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
         attempt_of[job_id] = running_id
-        device_of[running_id] = "cuda" if device == "cuda" else "cpu"
+        device_of[running_id] = stored_device(device)
     # Every ACTIVE member: an attempt that SUCCEEDED keeps its members ACTIVE until their
     # launchers report, and until then they hold what they held.
     members = (
@@ -372,7 +373,7 @@ def load_views(
             members_of[member_of].append(node_id)
             gpus_of[member_of].append(tuple(gpus or ()))
         else:
-            on: Device = "cuda" if device == "cuda" else "cpu"
+            on = stored_device(device)
             ending[node_id].append(Hold(held_by, on, tuple(gpus or ()) if on == "cuda" else ()))
     nodes = [
         NodeView(
@@ -705,7 +706,7 @@ class Reconciler:
         attempt = session.get(Attempt, action.attempt_id)
         if not job.state.is_active() or attempt is None or attempt.state.is_terminal():
             raise StaleState(f"job {job.id} is no longer running attempt {action.attempt_id}")
-        device: Device = "cuda" if attempt.device == "cuda" else "cpu"
+        device = stored_device(attempt.device)
         if (device == "cuda") != bool(action.gpus):
             raise StaleState(f"attempt {attempt.id} runs on {device}; the action assumed not")
         nodes = self._room_on(

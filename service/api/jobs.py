@@ -24,6 +24,7 @@ from service.api.deps import (
 )
 from service.db import retry_on_stale
 from service.models import Attempt, Job
+from service.placement import stored_device
 from service.schemas import (
     REDACTED,
     AttemptPublic,
@@ -101,7 +102,7 @@ def attempt_public(attempt: Attempt) -> AttemptPublic:
         number=attempt.number,
         rdzv_id=attempt.rdzv_id,
         state=attempt.state,
-        device="cuda" if attempt.device == "cuda" else "cpu",
+        device=stored_device(attempt.device),
         world_size=attempt.world_size,
         created_at=attempt.created_at,
         ended_at=attempt.ended_at,
