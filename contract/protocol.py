@@ -52,6 +52,7 @@ ADAPTIVE_HANG_CAP_S = 600.0
 # "cuda" the agent also sets CUDA_VISIBLE_DEVICES to the attempt's GPUs on the node, so
 # that local rank n is visible device n.
 DEVICE_ENV = "RELAUNCH_DEVICE"
+CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 MAX_GPUS_PER_NODE = 64
 
 Device = Literal["cpu", "cuda"]

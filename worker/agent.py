@@ -38,7 +38,14 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import FrameType
 
-from contract.protocol import Assignment, Heartbeat, NodeLeave, NodeRegister, StopReason
+from contract.protocol import (
+    CUDA_VISIBLE_DEVICES_ENV,
+    Assignment,
+    Heartbeat,
+    NodeLeave,
+    NodeRegister,
+    StopReason,
+)
 from worker import gpus, node_token, procs, sandbox
 from worker.attempt import Attempt, attempt_label, attempt_marker
 from worker.client import (
@@ -446,7 +453,7 @@ def run_agent(settings: AgentSettings) -> int:
     if refusal is not None:
         logger.error("node=%s cannot start: %s", settings.name, refusal)
         return 1
-    inherited = os.environ.get(gpus.CUDA_VISIBLE_DEVICES_ENV)
+    inherited = os.environ.get(CUDA_VISIBLE_DEVICES_ENV)
     if inherited is not None and settings.gpus is None:
         logger.warning(
             "node=%s CUDA_VISIBLE_DEVICES=%s in the agent's environment limits nothing: NVML "

@@ -22,11 +22,17 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
-from contract.protocol import DEVICE_ENV, Assignment, Device, GpuInfo, GpuUsage
+from contract.protocol import (
+    CUDA_VISIBLE_DEVICES_ENV,
+    DEVICE_ENV,
+    Assignment,
+    Device,
+    GpuInfo,
+    GpuUsage,
+)
 
 logger = logging.getLogger(__name__)
 
-CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 CUDA_DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
 OMP_NUM_THREADS_ENV = "OMP_NUM_THREADS"
 # What the agent sets for an attempt's workers whatever the job's env asks.

@@ -22,9 +22,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-from contract.protocol import DEVICE_ENV, Device
+from contract.protocol import CUDA_VISIBLE_DEVICES_ENV, DEVICE_ENV, Device
 
-CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 
