@@ -87,19 +87,32 @@ def make_snapshot(step: int) -> TrainingState:
     )
 
 
+def an_assignment(**fields: Any) -> Assignment:
+    """Attempt 12 of job 3 on one node, 2 workers of ``pkg.train``; ``fields`` change it."""
+    return Assignment.model_validate(
+        {
+            "attempt_id": 12,
+            "job_id": 3,
+            "min_nodes": 1,
+            "max_nodes": 1,
+            "nproc_per_node": 2,
+            "rendezvous": RendezvousConfig(rdzv_id="job-3"),
+            "entrypoint": Entrypoint(module="pkg.train"),
+            "snapshot_dir": "/snap/3",
+            **fields,
+        }
+    )
+
+
 def unstarted_attempt(tmp_path: Path, settings: AgentSettings) -> Attempt:
     """Attempt 5 of job 3, never started: only its events file and its stop are used."""
-    assignment = Assignment(
+    unstarted = an_assignment(
         attempt_id=5,
-        job_id=3,
-        min_nodes=1,
-        max_nodes=1,
         nproc_per_node=1,
-        rendezvous=RendezvousConfig(rdzv_id="job-3"),
         entrypoint=Entrypoint(module="unused"),
         snapshot_dir=str(tmp_path / "snapshots"),
     )
-    attempt = Attempt(assignment, settings)
+    attempt = Attempt(unstarted, settings)
     attempt.events_path.parent.mkdir(parents=True)
     return attempt
 

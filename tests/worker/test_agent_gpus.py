@@ -19,10 +19,10 @@ from contract.protocol import (
     HeartbeatReply,
     NodeRegister,
     NodeRegistered,
-    RendezvousConfig,
     ReportAccepted,
 )
 from tests.worker.fake_nvml import FakeNvml, four_gpus
+from tests.worker.helpers import an_assignment
 from worker import agent as agent_module
 from worker import gpus
 from worker.agent import NodeAgent, run_agent
@@ -131,19 +131,14 @@ def test_a_cpu_node_registers_its_cores_and_no_gpus(tmp_path: Path) -> None:
 def test_an_assignment_of_gpus_the_node_does_not_offer_fails_and_is_reported(
     tmp_path: Path,
 ) -> None:
-    assignment = Assignment(
+    unoffered = an_assignment(
         attempt_id=5,
-        job_id=3,
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=2,
-        rendezvous=RendezvousConfig(rdzv_id="job-3"),
         entrypoint=Entrypoint(module="unused"),
         snapshot_dir=str(tmp_path / "snapshots"),
         device="cuda",
         gpus=[1, 2],
     )
-    client = RecordingClient([assignment])
+    client = RecordingClient([unoffered])
     inventory = gpus.GpuInventory.open((0, 1), FakeNvml([], missing=True))
     clock = Clock()
     agent = NodeAgent(_settings(tmp_path), client, clock=clock, inventory=inventory)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from contract.protocol import Assignment, Entrypoint, RendezvousConfig
+from contract.protocol import Assignment
+from tests.worker.helpers import an_assignment
 from worker import attempt as attempt_module
 from worker.attempt import Attempt, build_launcher_env
 from worker.sandbox import job_env_overlay, merge_worker_env
@@ -37,22 +38,6 @@ def _settings(tmp_path: Path, cpus: int = 32) -> AgentSettings:
     )
 
 
-def _assignment(**fields: object) -> Assignment:
-    return Assignment.model_validate(
-        {
-            "attempt_id": 12,
-            "job_id": 3,
-            "min_nodes": 1,
-            "max_nodes": 1,
-            "nproc_per_node": 2,
-            "rendezvous": RendezvousConfig(rdzv_id="job-3"),
-            "entrypoint": Entrypoint(module="pkg.train"),
-            "snapshot_dir": "/snap/3",
-            **fields,
-        }
-    )
-
-
 def _envs(
     assignment: Assignment, tmp_path: Path, node_gpus: int, base: dict[str, str] | None = None
 ) -> tuple[dict[str, str], dict[str, str]]:
@@ -72,7 +57,7 @@ def _envs(
 
 
 def test_a_gpu_attempts_workers_see_its_gpus_numbered_as_nvml_does(tmp_path: Path) -> None:
-    workers, _ = _envs(_assignment(device="cuda", gpus=[2, 3]), tmp_path, node_gpus=4)
+    workers, _ = _envs(an_assignment(device="cuda", gpus=[2, 3]), tmp_path, node_gpus=4)
     assert workers["RELAUNCH_DEVICE"] == "cuda"
     assert workers["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert workers["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
@@ -81,7 +66,7 @@ def test_a_gpu_attempts_workers_see_its_gpus_numbered_as_nvml_does(tmp_path: Pat
 
 
 def test_a_cpu_attempt_on_a_gpu_node_sees_no_gpu(tmp_path: Path) -> None:
-    workers, _ = _envs(_assignment(nproc_per_node=4), tmp_path, node_gpus=8)
+    workers, _ = _envs(an_assignment(nproc_per_node=4), tmp_path, node_gpus=8)
     assert workers["RELAUNCH_DEVICE"] == "cpu"
     assert workers["CUDA_VISIBLE_DEVICES"] == ""
     assert workers["OMP_NUM_THREADS"] == "8"  # 32 cores / 4 workers
@@ -90,8 +75,8 @@ def test_a_cpu_attempt_on_a_gpu_node_sees_no_gpu(tmp_path: Path) -> None:
 def test_the_jobs_env_cannot_choose_the_devices_nor_can_the_agents_own(tmp_path: Path) -> None:
     inherited = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "7"}
     for assignment, visible in (
-        (_assignment(env=JOB_ASKS), ""),
-        (_assignment(env=JOB_ASKS, device="cuda", gpus=[5, 6]), "5,6"),
+        (an_assignment(env=JOB_ASKS), ""),
+        (an_assignment(env=JOB_ASKS, device="cuda", gpus=[5, 6]), "5,6"),
     ):
         workers, launcher = _envs(assignment, tmp_path, node_gpus=8, base=inherited)
         for env in (workers, launcher):
@@ -103,7 +88,7 @@ def test_the_jobs_env_cannot_choose_the_devices_nor_can_the_agents_own(tmp_path:
 
 
 def test_the_jobs_own_omp_num_threads_stands(tmp_path: Path) -> None:
-    assignment = _assignment(env={"OMP_NUM_THREADS": "3"}, device="cuda", gpus=[0, 1])
+    assignment = an_assignment(env={"OMP_NUM_THREADS": "3"}, device="cuda", gpus=[0, 1])
     workers, launcher = _envs(assignment, tmp_path, node_gpus=2)
     assert workers["OMP_NUM_THREADS"] == "3"
     assert launcher["OMP_NUM_THREADS"] == "16"  # the launcher's own: 32 cores, 2 workers
@@ -115,9 +100,9 @@ def test_an_omp_num_threads_the_agent_was_started_with_holds_for_every_job(
 ) -> None:
     """Its operator's choice (the tests' agents run with 1): only a job's own beats it."""
     inherited = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
-    workers, launcher = _envs(_assignment(), tmp_path, node_gpus=0, base=inherited)
+    workers, launcher = _envs(an_assignment(), tmp_path, node_gpus=0, base=inherited)
     assert workers["OMP_NUM_THREADS"] == launcher["OMP_NUM_THREADS"] == "1"
-    own = _assignment(env={"OMP_NUM_THREADS": "6"})
+    own = an_assignment(env={"OMP_NUM_THREADS": "6"})
     workers, _ = _envs(own, tmp_path, node_gpus=0, base=inherited)
     assert workers["OMP_NUM_THREADS"] == "6"
 
@@ -127,7 +112,7 @@ def test_workers_thread_count_needs_no_cold_start(tmp_path: Path, job_env: dict[
     """The zygote starts with the launcher's environment and the job's overlay, as each
     worker does (worker.sandbox): both hold one OMP_NUM_THREADS, so torch in the zygote
     sized its pool for the workers, and nothing about devices makes a worker start cold."""
-    assignment = _assignment(env={"FOO": "bar", **job_env}, device="cuda", gpus=[0, 1])
+    assignment = an_assignment(env={"FOO": "bar", **job_env}, device="cuda", gpus=[0, 1])
     workers, launcher = _envs(assignment, tmp_path, node_gpus=4)
     overlay = job_env_overlay(workers, launcher)
     zygote = merge_worker_env(launcher, overlay, launcher)
@@ -159,7 +144,7 @@ def test_an_attempt_on_gpus_this_node_does_not_offer_fails_without_a_launcher(
 ) -> None:
     envs = _never_launched(monkeypatch)
     attempt = Attempt(
-        _assignment(device="cuda", gpus=[3, 4]), _settings(tmp_path), node_gpus=(0, 1, 2, 3)
+        an_assignment(device="cuda", gpus=[3, 4]), _settings(tmp_path), node_gpus=(0, 1, 2, 3)
     )
     attempt.start()
     assert envs == []
@@ -175,7 +160,7 @@ def test_a_started_attempt_gives_the_launcher_and_the_workers_the_agents_devices
 ) -> None:
     envs = _never_launched(monkeypatch)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the agent's environment is ours
-    assignment = _assignment(
+    assignment = an_assignment(
         env={**JOB_ASKS, "OMP_NUM_THREADS": "5"}, device="cuda", gpus=[1, 2], working_dir=None
     )
     attempt = Attempt(

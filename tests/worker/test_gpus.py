@@ -10,8 +10,9 @@ import os
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from contract.protocol import Assignment, Entrypoint, GpuInfo, GpuUsage, RendezvousConfig
+from contract.protocol import GpuInfo, GpuUsage
 from tests.worker.fake_nvml import FakeGpu, FakeNvml, four_gpus
+from tests.worker.helpers import an_assignment
 from worker.gpus import (
     GpuInventory,
     cuda_version_text,
@@ -238,24 +239,8 @@ def test_each_worker_gets_its_share_of_the_cores(
     assert got == threads
 
 
-def _assignment(**fields: object) -> Assignment:
-    return Assignment.model_validate(
-        {
-            "attempt_id": 1,
-            "job_id": 1,
-            "min_nodes": 1,
-            "max_nodes": 1,
-            "nproc_per_node": 2,
-            "rendezvous": RendezvousConfig(rdzv_id="j"),
-            "entrypoint": Entrypoint(module="m"),
-            "snapshot_dir": "/s",
-            **fields,
-        }
-    )
-
-
 def test_a_gpu_attempt_sees_its_gpus_in_nvmls_order() -> None:
-    variables = device_variables(_assignment(device="cuda", gpus=[5, 2]), cpus=64, node_gpus=8)
+    variables = device_variables(an_assignment(device="cuda", gpus=[5, 2]), cpus=64, node_gpus=8)
     assert variables == {
         "RELAUNCH_DEVICE": "cuda",
         "CUDA_VISIBLE_DEVICES": "5,2",  # local rank 0 on GPU 5, local rank 1 on GPU 2
@@ -265,7 +250,7 @@ def test_a_gpu_attempt_sees_its_gpus_in_nvmls_order() -> None:
 
 
 def test_a_cpu_attempt_sees_no_gpu() -> None:
-    variables = device_variables(_assignment(nproc_per_node=4), cpus=64, node_gpus=8)
+    variables = device_variables(an_assignment(nproc_per_node=4), cpus=64, node_gpus=8)
     assert variables == {
         "RELAUNCH_DEVICE": "cpu",
         "CUDA_VISIBLE_DEVICES": "",
@@ -288,7 +273,7 @@ def test_a_cpu_attempt_sees_no_gpu() -> None:
 def test_a_gpu_attempt_must_hold_this_nodes_gpus_one_per_local_rank(
     fields: dict[str, object], refusal: str | None
 ) -> None:
-    got = device_refusal(_assignment(**fields), [0, 1, 2, 3])
+    got = device_refusal(an_assignment(**fields), [0, 1, 2, 3])
     if refusal is None:
         assert got is None
     else:
@@ -296,5 +281,5 @@ def test_a_gpu_attempt_must_hold_this_nodes_gpus_one_per_local_rank(
 
 
 def test_a_gpu_attempt_on_a_node_without_gpus_is_refused() -> None:
-    got = device_refusal(_assignment(device="cuda", gpus=[0, 1]), [])
+    got = device_refusal(an_assignment(device="cuda", gpus=[0, 1]), [])
     assert got == "GPU(s) [0, 1] are not among this node's GPUs (none)"
