@@ -69,6 +69,11 @@ class JobUser(BaseModel):
     uid: int
     gid: int
 
+    @property
+    def name(self) -> str:
+        """The name its processes see in ``USER`` and ``LOGNAME`` (it has no passwd entry)."""
+        return f"relaunch-{self.uid}"
+
 
 def job_user(isolation: str, uid_base: int, job_id: int) -> JobUser | None:
     """uid = gid = ``uid_base + job_id``; None when isolation is "none".
@@ -441,8 +446,11 @@ def _prepare(installed: _Installed, torch_env: Mapping[str, str]) -> dict[str, s
     sandbox = installed.sandbox
     env = merge_worker_env(torch_env, installed.overlay, os.environ)
     private = {"TMPDIR": str(sandbox.tmp_dir)}
-    if sandbox.user is not None:  # root's HOME is no place of the job's user
+    if sandbox.user is not None:  # root's HOME and name are no place of the job's user
         private["HOME"] = str(sandbox.tmp_dir)
+        # The job's uid has no passwd entry, so getpass.getuser() finds a name only here;
+        # torch 2.11 calls it when torch._dynamo (which DDP imports) is first imported.
+        private["USER"] = private["LOGNAME"] = sandbox.user.name
     for key, value in private.items():
         if key not in installed.overlay:
             env[key] = value

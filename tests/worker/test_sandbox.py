@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs jobs as their ow
 # The job's program: what it can reach, written to result.json; it waits for "go" to end.
 _CHECK = textwrap.dedent(
     """
-    import json, os, tempfile, time
+    import getpass, json, os, tempfile, time
 
     def denied(path, list_dir=False):
         try:
@@ -52,6 +52,7 @@ _CHECK = textwrap.dedent(
     result = {
         "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
         "secret": env.get("JOB_SECRET"), "scratch": scratch, "tmpdir": env.get("TMPDIR"),
+        "user": getpass.getuser(), "logname": env.get("LOGNAME"),
         "agent_environ": denied(f"/proc/{env['AGENT_PID']}/environ"),
         "launcher_environ": denied(f"/proc/{os.getppid()}/environ"),
         "init_environ": denied("/proc/1/environ"),
@@ -204,6 +205,9 @@ def test_a_jobs_worker_runs_as_its_own_user_and_reaches_nothing_else(
     assert (found["uid"], found["gid"], found["groups"]) == (BASE + 7, BASE + 7, [])
     assert found["secret"] == "s3cr3t"
     assert found["tmpdir"] == str(attempt.dir / "tmp")
+    # a name of its own: the uid has no passwd entry, and torch 2.11's import of
+    # torch._dynamo fails where getpass.getuser() finds none
+    assert found["user"] == found["logname"] == f"relaunch-{BASE + 7}"
     assert Path(found["scratch"]).parent == attempt.dir / "tmp"
     for what in (
         "agent_environ",
