@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from worker.sandbox import JobUser
 from worker.warm import ColdStart, ForkedProcess, WarmStarter
 
 BOOTSTRAP = [sys.executable, "-u", "-m", "worker.bootstrap"]
@@ -218,6 +219,8 @@ def hostile(work: Path, uid: int | None) -> dict[str, Any]:
 def main() -> None:
     scenario, work = sys.argv[1], Path(sys.argv[2])
     uid = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    if uid is not None:  # the names a launcher gives a job's user (worker.sandbox._prepare)
+        os.environ["USER"] = os.environ["LOGNAME"] = JobUser(uid=uid, gid=uid).name
     os.chdir(work)
     print(json.dumps(globals()[scenario](work, uid)))
 
