@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 # (503: its database is busy or a write lost a race; any controller of the database
 # may serve the retry).
 FAILOVER_STATUS = frozenset({502, 503, 504})
+# How long a client waits for a connection: a controller whose host is gone answers
+# nothing, and the next one on the list should be asked soon.
+CONNECT_TIMEOUT_S = 5.0
 _URL = re.compile(r"^https?://[^/\s,]+(/[^\s,]*)?$")
 
 

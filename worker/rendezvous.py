@@ -69,7 +69,7 @@ from contract.rendezvous import (
     decode,
     encode,
 )
-from worker.failover import FailoverTransport, controller_urls
+from worker.failover import CONNECT_TIMEOUT_S, FailoverTransport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ BACKEND_NAME = "relaunch"
 MIN_SYNC_S = 0.2  # the least time between two rendezvous syncs of a waiting launcher
 RETRY_S = 60.0  # how long an unanswered call is retried before it fails (a controller restart)
 HTTP_TIMEOUT_S = MAX_WAIT_S + 10.0
-CONNECT_TIMEOUT_S = 5.0  # a controller whose host is gone: try the next one soon
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _M = TypeVar("_M", bound=BaseModel)
 

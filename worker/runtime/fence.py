@@ -28,7 +28,7 @@ import httpx
 
 from contract.protocol import CONTROLLER_URL_ENV, JOB_ID_ENV, WORKER_TOKEN_ENV
 from contract.rendezvous import SnapshotWriter
-from worker.failover import FailoverTransport, controller_urls
+from worker.failover import CONNECT_TIMEOUT_S, FailoverTransport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,15 @@ class ControllerCounter:
         self._path = f"/api/v1/workers/jobs/{job_id}/snapshot-writer"
         self._retry_s = retry_s
         urls = controller_urls(controller_url)
+        # With several controllers the next one is the retry of a failed connection.
+        connection_retries = 3 if len(urls) == 1 else 0
         self._http = httpx.Client(
             base_url=urls[0],
-            timeout=timeout_s,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),
             headers={"authorization": f"Bearer {worker_token}"},
-            transport=FailoverTransport(urls, transport or httpx.HTTPTransport(retries=3)),
+            transport=FailoverTransport(
+                urls, transport or httpx.HTTPTransport(retries=connection_retries)
+            ),
         )
 
     def take(self) -> int:
