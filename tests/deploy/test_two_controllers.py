@@ -130,15 +130,17 @@ def _spec(name: str, step_delay: float) -> dict[str, Any]:
     return regression(name, "2:2", params=params, snapshot={"every_steps": 8})
 
 
-def _kill_host(c: LocalCluster) -> list[psutil.Process]:
-    """SIGKILL the controller of ``c`` and every process under it, as if its host died."""
+def _kill_host(c: LocalCluster) -> list[str]:
+    """SIGKILL the controller of ``c`` and every process under it, as if its host died;
+    the command lines of what was killed."""
     controller = psutil.Process(c.procs["controller"].pid)
     host = [controller, *controller.children(recursive=True)]
+    killed = [" ".join(p.cmdline()) for p in host]
     for proc in host:
         proc.kill()
     c.procs.pop("controller").wait()
     psutil.wait_procs(host, timeout=10)
-    return host
+    return killed
 
 
 def _steps_around(metrics: list[dict[str, Any]], at: datetime) -> list[tuple[float, int]]:
@@ -169,10 +171,10 @@ def test_a_job_trains_on_through_the_death_of_the_leaders_host(
     assert len(attempts) == 1, attempts
 
     killed_at = datetime.now(UTC)
-    host = _kill_host(leader)
-    # The rendezvous is kept in the database: the controller's host runs no store, nor any
-    # other process of relaunch's, that a job would lose with it.
-    assert [p.pid for p in host] == [p.pid for p in host[:1]], [p.name() for p in host]
+    killed = _kill_host(leader)
+    # The rendezvous is kept in the database: the controller starts no store, nor any
+    # other process, that a job would lose with its host.
+    assert len(killed) == 1, killed
 
     with standby.client() as client:
         step_at_kill = client.job(job_id)["last_step"]
@@ -194,11 +196,12 @@ def test_a_job_trains_on_through_the_death_of_the_leaders_host(
         _assert_no_restart(client, job, attempts[0], killed_at)
         assert_trained(client, job)
         assert_trained(client, later)
+        # Placed after the kill, so by the one controller left, the new leader.
         placed = [e for e in client.events(later_id) if e["kind"] == "placed"]
         assert len(placed) == 1 and datetime.fromisoformat(placed[0]["time"]) > killed_at
         timeline = _steps_around(client.metrics(job_id), killed_at)
         gaps = [b[0] - a[0] for a, b in itertools.pairwise(timeline)]
-        print(f"killed at step {step_at_kill}; (s after the kill, step): {timeline}")
+        print(f"step {step_at_kill} reported at the kill; (s after the kill, step): {timeline}")
         print(f"longest time between two steps around the kill: {max(gaps):.2f} s")
     for key, value in _final(nodes, later_id).items():
         torch.testing.assert_close(_final(nodes, job_id)[key], value, rtol=1e-4, atol=1e-5)
@@ -228,8 +231,10 @@ def _assert_no_restart(
     after = [e for e in events if datetime.fromisoformat(e["time"]) > killed_at]
     assert "rendezvous" not in {e["kind"] for e in after}, after  # no new round
     assert "snapshot_saved" in {e["kind"] for e in after}, after  # the fence answered
-    steps = [m["step"] for m in client.metrics(job["id"])]
-    assert steps == sorted(set(steps)), steps  # no step replayed
+    # Every step reported. A report the dead leader committed but did not answer is sent
+    # again (delivery is at least once), so a step may be reported twice.
+    steps = {m["step"] for m in client.metrics(job["id"])}
+    assert steps == set(range(1, job["total_steps"] + 1)), steps
 
 
 def _final(c: LocalCluster, job_id: int) -> dict[str, torch.Tensor]:
