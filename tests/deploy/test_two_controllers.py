@@ -5,6 +5,7 @@ second."""
 from __future__ import annotations
 
 import itertools
+import pickle
 import signal
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -17,10 +18,12 @@ import pytest
 import torch
 from cryptography.fernet import Fernet
 
+from contract.rendezvous import RENDEZVOUS_PATH, RendezvousState, decode
 from service.client import RelaunchClient
 from service.local_cluster import LocalCluster, free_port
 from tests.e2e.helpers import POLL_S, assert_trained, dump_logs, regression, wait_terminal
 from tests.helpers import wait_for
+from worker import node_token
 
 pytestmark = pytest.mark.e2e
 LEASE_S = 2.0
@@ -143,6 +146,21 @@ def _kill_host(c: LocalCluster) -> list[str]:
     return killed
 
 
+def _keep_alives(nodes: LocalCluster, name: str, url: str, rdzv_id: str) -> list[datetime]:
+    """When each launcher of a rendezvous last wrote its keep-alive, as torch keeps it in the
+    rendezvous state, read at the controller ``url`` with node ``name``'s own token."""
+    token = node_token.token_file(nodes.agent_dir(name)).read_text().strip()
+    reply = httpx.get(
+        f"{url}{RENDEZVOUS_PATH}/{rdzv_id}/state", headers={"authorization": f"Bearer {token}"}
+    )
+    reply.raise_for_status()
+    stored = RendezvousState.model_validate_json(reply.content).state
+    assert stored is not None
+    # torch's own pickle of its _RendezvousState, written by this test's launchers
+    state = pickle.loads(decode(stored))
+    return sorted(state.last_heartbeats.values())
+
+
 def _steps_around(metrics: list[dict[str, Any]], at: datetime) -> list[tuple[float, int]]:
     """(seconds after ``at``, step) of every step reported from 3 s before ``at`` to 10 s
     after it: the timeline of training around ``at``."""
@@ -182,6 +200,15 @@ def test_a_job_trains_on_through_the_death_of_the_leaders_host(
             "the standby to take over",
             lambda: client.health()["role"] == "leader",
             LEASE_S * 10,
+            POLL_S,
+        )
+        # Both launchers keep their rendezvous alive through the survivor: torch's elastic
+        # agents would otherwise give up on the rendezvous once its retries ran out.
+        rdzv_id = attempts[0]["rdzv_id"]
+        wait_for(
+            "every launcher's keep-alive after the kill",
+            lambda: min(_keep_alives(nodes, "node-a", standby.url, rdzv_id)) > killed_at,
+            30,
             POLL_S,
         )
         wait_for(
