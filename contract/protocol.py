@@ -38,8 +38,9 @@ SNAPSHOT_ASYNC_ENV = "RELAUNCH_SNAPSHOT_ASYNC"
 EVENTS_FILE_ENV = "RELAUNCH_EVENTS_FILE"
 # Each worker touches ``<dir>/local-<LOCAL_RANK>`` as it makes progress (hang detection).
 PROGRESS_DIR_ENV = "RELAUNCH_PROGRESS_DIR"
-# The controller's URL and the attempt's worker token (``Assignment.worker_token``):
-# rank 0 takes and checks its snapshot-writer token there. Never the node's own token.
+# The controller's URL, or the node's comma-separated list of controllers of one database,
+# and the attempt's worker token (``Assignment.worker_token``): rank 0 takes and checks
+# its snapshot-writer token there. Never the node's own token.
 CONTROLLER_URL_ENV = "RELAUNCH_CONTROLLER_URL"
 WORKER_TOKEN_ENV = "RELAUNCH_WORKER_TOKEN"
 # Seconds a collective may wait before it fails (``Assignment.collective_timeout_s``);

@@ -209,13 +209,16 @@ class LocalCluster:
         address: str | None = None,
         prefix: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
+        controller: str | None = None,
     ) -> None:
         """Start node agent ``name``; ``prefix`` wraps its command (``ip netns exec NS``);
-        ``extra_env`` adds settings (``RELAUNCH_AGENT_*``)."""
+        ``extra_env`` adds settings (``RELAUNCH_AGENT_*``); ``controller``: the agent's
+        controller URL or comma-separated list of them (default: this cluster's)."""
         self._open_to_jobs()
         work = self.agent_dir(name)
         work.mkdir(parents=True, exist_ok=True)
-        args = ["agent", "--controller", self.url, "--name", name, "--work-dir", str(work)]
+        url = controller or self.url
+        args = ["agent", "--controller", url, "--name", name, "--work-dir", str(work)]
         if address is not None:
             args += ["--address", address]
         cores = len(os.sched_getaffinity(0))

@@ -23,7 +23,9 @@ def agent(
         str,
         typer.Option(
             envvar="RELAUNCH_AGENT_CONTROLLER_URL",
-            help="Controller URL; the default is a controller on this host at its default port",
+            help="Controller URL, or the URLs of several controllers of one database "
+            "separated by commas (tried in turn when one does not answer); the default is a "
+            "controller on this host at its default port",
         ),
     ] = DEFAULT_CONTROLLER_URL,
     name: Annotated[

@@ -14,6 +14,9 @@ so callers decide per endpoint what a failure means:
 
 Delivery is at least once: a report whose reply was lost is sent again.
 
+``base_url`` may name several controllers of one database, separated by commas
+(``worker.failover``): a call that one of them leaves unanswered goes to the next.
+
 Registration carries the controller's enrolment token; its reply carries this
 node's own token, which every later call carries instead.
 """
@@ -39,6 +42,7 @@ from contract.protocol import (
     ReportRefused,
     StopReason,
 )
+from worker.failover import FailoverTransport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,8 @@ class _RetryableStatus(Exception):
 
 
 class ControllerClient:
-    """Talks to ``{base_url}/api/v1``; one instance per agent, not thread-safe."""
+    """Talks to ``{base_url}/api/v1`` (one controller of ``base_url``'s list); one instance
+    per agent, not thread-safe."""
 
     def __init__(
         self,
@@ -101,8 +106,11 @@ class ControllerClient:
     ) -> None:
         if attempts < 1:
             raise ValueError("attempts must be >= 1")
+        urls = controller_urls(base_url)
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/") + "/api/v1", timeout=timeout_s, transport=transport
+            base_url=urls[0] + "/api/v1",
+            timeout=timeout_s,
+            transport=FailoverTransport(urls, transport),
         )
         self._attempts = attempts
         self._backoff_s = backoff_s

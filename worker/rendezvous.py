@@ -16,6 +16,8 @@ token, which the launcher reads from a file the node agent wrote
   store's timeout. ``delete_key`` and ``num_keys`` answer when called on it
   directly; torch's ``PrefixStore`` does not pass them on to a Python store.
 
+The endpoint may name several controllers of one database, separated by commas
+(``worker.failover``): a call one of them leaves unanswered goes to the next.
 A controller that does not answer, or answers 5xx, is asked again with back-off
 for up to ``RETRY_S`` (meanwhile torch's agent waits; its workers train on); then
 the backend raises ``RendezvousConnectionError`` and the store ``DistStoreError``.
@@ -67,6 +69,7 @@ from contract.rendezvous import (
     decode,
     encode,
 )
+from worker.failover import CONNECT_TIMEOUT_S, FailoverTransport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +106,15 @@ class ControllerRendezvous:
             raise ValueError("the rendezvous id must not be empty")
         self.rdzv_id = rdzv_id
         self._retry_s = retry_s
+        urls = controller_urls(controller_url)
         self._http = httpx.Client(
-            base_url=f"{controller_url.rstrip('/')}{RENDEZVOUS_PATH}/{rdzv_id}",
-            timeout=HTTP_TIMEOUT_S,
+            base_url=f"{urls[0]}{RENDEZVOUS_PATH}/{rdzv_id}",
+            timeout=httpx.Timeout(HTTP_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
             headers={
                 "authorization": f"Bearer {node_token}",
                 **({} if member_id is None else {MEMBER_HEADER: str(member_id)}),
             },
-            transport=transport,
+            transport=FailoverTransport(urls, transport),
         )
 
     def close(self) -> None:

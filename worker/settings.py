@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contract.protocol import DEFAULT_CONTROLLER_URL, MAX_GPUS_PER_NODE
+from worker.failover import controller_urls
 
 NODE_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
 
@@ -81,8 +82,10 @@ class AgentSettings(BaseSettings):
 
     controller_url: str = Field(
         default=DEFAULT_CONTROLLER_URL,
-        description="Base URL of the controller, e.g. http://controller.internal:8080; "
-        "the default is a controller on this host at its default port",
+        description="Base URL of the controller, e.g. http://controller.internal:8080, or of "
+        "several controllers of one database separated by commas (the agent, its launchers "
+        "and its workers go to the next when one does not answer); the default is a "
+        "controller on this host at its default port",
     )
     enrolment_token: SecretStr | None = Field(
         default=None,
@@ -158,9 +161,7 @@ class AgentSettings(BaseSettings):
     @field_validator("controller_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"controller_url must be an http(s) URL, got {value!r}")
-        return value.rstrip("/")
+        return ",".join(controller_urls(value))
 
     @field_validator("gpus", mode="before")
     @classmethod

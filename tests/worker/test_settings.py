@@ -73,3 +73,11 @@ def test_the_jobs_variables_win_over_the_agents_but_never_over_torchs() -> None:
     assert merged["RANK"] == "1"  # torch's, for this worker
     assert merged["OMP_NUM_THREADS"] == "4"  # inherited by torch, so the job's wins
     assert (merged["PATH"], merged["SECRET"]) == ("/job/bin", "x")
+
+
+def test_the_controller_url_may_list_several_controllers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAUNCH_AGENT_CONTROLLER_URL", "http://a:8080/, https://b:8443")
+    assert AgentSettings(enrolment_token="t").controller_url == "http://a:8080,https://b:8443"
+    monkeypatch.setenv("RELAUNCH_AGENT_CONTROLLER_URL", "http://a:8080,b:8080")
+    with pytest.raises(ValidationError, match="controller_url must be an http"):
+        AgentSettings(enrolment_token="t")

@@ -10,8 +10,9 @@ it may use with its attempt's worker token (``WORKER_TOKEN_ENV``, valid for its
 own job only). Before each commit it reads the newest number again; a different
 value means a newer rank 0 exists, and the write is refused with
 ``SnapshotFenced``. A rank 0 whose token is no longer accepted (its node left
-the attempt), or that cannot reach the controller for ``FENCE_RETRY_S`` (a
-controller restart is waited out), cannot prove it is the newest, and is
+the attempt), or that cannot reach a controller for ``FENCE_RETRY_S`` (a
+controller restart is waited out; a list of controllers is tried in turn,
+``worker.failover``), cannot prove it is the newest, and is
 refused too. The check and the rename are two steps, so a
 writer paused exactly between them is not stopped; every other pause is.
 """
@@ -27,6 +28,7 @@ import httpx
 
 from contract.protocol import CONTROLLER_URL_ENV, JOB_ID_ENV, WORKER_TOKEN_ENV
 from contract.rendezvous import SnapshotWriter
+from worker.failover import CONNECT_TIMEOUT_S, FailoverTransport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,8 @@ class WriterCounter(Protocol):
 
 
 class ControllerCounter:
-    """The job's writer count at the controller, called with the attempt's worker token."""
+    """The job's writer count at the controller (one of ``controller_url``'s list), called
+    with the attempt's worker token."""
 
     def __init__(
         self,
@@ -64,11 +67,16 @@ class ControllerCounter:
     ) -> None:
         self._path = f"/api/v1/workers/jobs/{job_id}/snapshot-writer"
         self._retry_s = retry_s
+        urls = controller_urls(controller_url)
+        # With several controllers the next one is the retry of a failed connection.
+        connection_retries = 3 if len(urls) == 1 else 0
         self._http = httpx.Client(
-            base_url=controller_url.rstrip("/"),
-            timeout=timeout_s,
+            base_url=urls[0],
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),
             headers={"authorization": f"Bearer {worker_token}"},
-            transport=transport or httpx.HTTPTransport(retries=3),
+            transport=FailoverTransport(
+                urls, transport or httpx.HTTPTransport(retries=connection_retries)
+            ),
         )
 
     def take(self) -> int:
