@@ -23,7 +23,19 @@ from service import anatomy, fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.job_events import add_event, add_events_alike
-from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
+from service.models import (
+    Attempt,
+    AttemptMember,
+    IdempotencyKey,
+    Job,
+    JobEvent,
+    LogEntry,
+    Metric,
+    Node,
+    Role,
+    Snapshot,
+    User,
+)
 from service.secrets import Keyring, seal_spec
 from service.spec import JobSpec, parse_nnodes
 from service.states import TERMINAL_JOB_STATES, JobState
@@ -161,16 +173,93 @@ def job_for(session: Session, job_id: int, viewer: User, *, for_update: bool = F
     return job
 
 
+def _listed(stmt: Select[Any], viewer: User, state: JobState | None) -> Select[Any]:
+    stmt = _visible(stmt, viewer)
+    return stmt if state is None else stmt.where(Job.state == state)
+
+
 def list_jobs(
     session: Session, viewer: User, state: JobState | None, limit: int, offset: int
 ) -> tuple[list[Job], int]:
-    stmt = _visible(select(Job), viewer)
-    count = _visible(select(func.count()).select_from(Job), viewer)
-    if state is not None:
-        stmt = stmt.where(Job.state == state)
-        count = count.where(Job.state == state)
+    stmt = _listed(select(Job), viewer, state)
+    count = _listed(select(func.count()).select_from(Job), viewer, state)
     jobs = session.scalars(stmt.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
     return list(jobs), session.scalar(count) or 0
+
+
+# What a job's answer (``JobPublic``) is built from, besides its spec, which never changes
+# after submit: the row's other columns, its owner's name, and what ``last_snapshot_times``
+# and ``last_step_times`` read (metrics are only ever added, so their ids stand for them).
+_JOB_SHOWN = (
+    *(column for column in Job.__table__.c if column.key != "spec"),
+    User.name.label("owner_name"),
+    select(func.max(Snapshot.created_at))
+    .where(Snapshot.job_id == Job.id)
+    .scalar_subquery()
+    .label("last_snapshot_at"),
+    *(
+        select(Metric.id)
+        .where(Metric.job_id == Job.id)
+        .order_by(Metric.id.desc())
+        .limit(1)
+        .offset(newer)
+        .scalar_subquery()
+        .label(f"metric_{newer}")
+        for newer in (0, 1)
+    ),
+)
+# And what a job's attempts (``AttemptPublic``) are built from.
+_ATTEMPTS_SHOWN = (
+    Attempt.id,
+    Attempt.number,
+    Attempt.rdzv_id,
+    Attempt.state,
+    Attempt.device,
+    Attempt.world_size,
+    Attempt.created_at,
+    Attempt.ended_at,
+    Attempt.result,
+    AttemptMember.id,
+    AttemptMember.node_id,
+    AttemptMember.state,
+    AttemptMember.joined_at,
+    AttemptMember.left_at,
+    AttemptMember.exit_code,
+    AttemptMember.gpus,
+    Node.name,
+)
+
+
+def _shown(stmt: Select[Any]) -> Select[Any]:
+    return stmt.outerjoin(User, User.id == Job.owner_id)
+
+
+def job_version(session: Session, job_id: int, viewer: User) -> tuple[Any, ...]:
+    """Every stored value that job ``job_id``'s detail shows (but its spec), read in two
+    statements: equal versions give equal details. Raises ``NotFound`` as ``job_for`` does,
+    for a job the viewer may not see as for one that does not exist."""
+    row = session.execute(_shown(select(*_JOB_SHOWN)).where(Job.id == job_id)).one_or_none()
+    if row is None or (viewer.role is not Role.ADMIN and row.owner_id != viewer.id):
+        raise NotFound(f"job {job_id} does not exist")
+    attempts = session.execute(
+        select(*_ATTEMPTS_SHOWN)
+        .outerjoin(AttemptMember, AttemptMember.attempt_id == Attempt.id)
+        .outerjoin(Node, Node.id == AttemptMember.node_id)
+        .where(Attempt.job_id == job_id)
+        .order_by(Attempt.id, AttemptMember.id)
+    ).all()
+    return tuple(row), tuple(tuple(a) for a in attempts)
+
+
+def jobs_version(
+    session: Session, viewer: User, state: JobState | None, limit: int, offset: int
+) -> tuple[Any, ...]:
+    """Every stored value that this page of ``list_jobs`` shows (but the specs), read in
+    two statements: equal versions give equal pages."""
+    page = _listed(_shown(select(*_JOB_SHOWN)), viewer, state)
+    rows = session.execute(page.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
+    count = _listed(select(func.count()).select_from(Job), viewer, state)
+    return tuple(tuple(r) for r in rows), session.scalar(count) or 0
 
 
 def change_job_state(
