@@ -11,9 +11,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import set_committed_value
@@ -190,64 +191,73 @@ def list_jobs(
 # What a job's answer (``JobPublic``) is built from, besides its spec, which never changes
 # after submit: the row's other columns, its owner's name, and what ``last_snapshot_times``
 # and ``last_step_times`` read (metrics are only ever added, so their ids stand for them).
-_JOB_SHOWN = (
-    *(column for column in Job.__table__.c if column.key != "spec"),
-    User.name.label("owner_name"),
-    select(func.max(Snapshot.created_at))
-    .where(Snapshot.job_id == Job.id)
+# Plain table columns and statements built once: these are read on every poll, and an
+# ORM statement built per call costs more than running it.
+_jobs, _users = Job.__table__.c, User.__table__.c
+_snapshots, _metrics = Snapshot.__table__.c, Metric.__table__.c
+_attempts, _members, _nodes = Attempt.__table__.c, AttemptMember.__table__.c, Node.__table__.c
+_JOB_SHOWN = select(
+    *(column for column in _jobs if column.key != "spec"),
+    _users.name.label("owner_name"),
+    select(func.max(_snapshots.created_at))
+    .where(_snapshots.job_id == _jobs.id)
     .scalar_subquery()
     .label("last_snapshot_at"),
     *(
-        select(Metric.id)
-        .where(Metric.job_id == Job.id)
-        .order_by(Metric.id.desc())
+        select(_metrics.id)
+        .where(_metrics.job_id == _jobs.id)
+        .order_by(_metrics.id.desc())
         .limit(1)
         .offset(newer)
         .scalar_subquery()
         .label(f"metric_{newer}")
         for newer in (0, 1)
     ),
-)
-# And what a job's attempts (``AttemptPublic``) are built from.
-_ATTEMPTS_SHOWN = (
-    Attempt.id,
-    Attempt.number,
-    Attempt.rdzv_id,
-    Attempt.state,
-    Attempt.device,
-    Attempt.world_size,
-    Attempt.created_at,
-    Attempt.ended_at,
-    Attempt.result,
-    AttemptMember.id,
-    AttemptMember.node_id,
-    AttemptMember.state,
-    AttemptMember.joined_at,
-    AttemptMember.left_at,
-    AttemptMember.exit_code,
-    AttemptMember.gpus,
-    Node.name,
+).select_from(Job.__table__.outerjoin(User.__table__, _users.id == _jobs.owner_id))
+_JOB_VERSION = _JOB_SHOWN.where(_jobs.id == bindparam("job_id"))
+# And what its attempts (``AttemptPublic``) are built from.
+_ATTEMPTS_VERSION = (
+    select(
+        *(_attempts[name] for name in ("id", "number", "rdzv_id", "state", "device")),
+        *(_attempts[name] for name in ("world_size", "created_at", "ended_at", "result")),
+        *(_members[name] for name in ("id", "node_id", "state", "joined_at", "left_at")),
+        _members.exit_code,
+        _members.gpus,
+        _nodes.name,
+    )
+    .select_from(
+        Attempt.__table__.outerjoin(
+            AttemptMember.__table__, _members.attempt_id == _attempts.id
+        ).outerjoin(Node.__table__, _nodes.id == _members.node_id)
+    )
+    .where(_attempts.job_id == bindparam("job_id"))
+    .order_by(_attempts.id, _members.id)
 )
 
 
-def _shown(stmt: Select[Any]) -> Select[Any]:
-    return stmt.outerjoin(User, User.id == Job.owner_id)
+@cache
+def _page_version(everyone: bool, one_state: bool) -> tuple[Select[Any], Select[Any]]:
+    """A page of ``list_jobs`` and its count, as ``jobs_version`` reads them."""
+    page = _JOB_SHOWN.order_by(_jobs.id.desc())
+    count = select(func.count()).select_from(Job.__table__)
+    if not everyone:
+        page = page.where(_jobs.owner_id == bindparam("owner_id"))
+        count = count.where(_jobs.owner_id == bindparam("owner_id"))
+    if one_state:
+        page = page.where(_jobs.state == bindparam("state"))
+        count = count.where(_jobs.state == bindparam("state"))
+    return page.limit(bindparam("limit")).offset(bindparam("offset")), count
 
 
 def job_version(session: Session, job_id: int, viewer: User) -> tuple[Any, ...]:
     """Every stored value that job ``job_id``'s detail shows (but its spec), read in two
     statements: equal versions give equal details. Raises ``NotFound`` as ``job_for`` does,
     for a job the viewer may not see as for one that does not exist."""
-    row = session.execute(_shown(select(*_JOB_SHOWN)).where(Job.id == job_id)).one_or_none()
+    connection = session.connection()
+    row = connection.execute(_JOB_VERSION, {"job_id": job_id}).one_or_none()
     if row is None or (viewer.role is not Role.ADMIN and row.owner_id != viewer.id):
         raise NotFound(f"job {job_id} does not exist")
-    attempts = session.execute(
-        select(*_ATTEMPTS_SHOWN)
-        .outerjoin(AttemptMember, AttemptMember.attempt_id == Attempt.id)
-        .outerjoin(Node, Node.id == AttemptMember.node_id)
-        .where(Attempt.job_id == job_id)
-        .order_by(Attempt.id, AttemptMember.id)
-    ).all()
+    attempts = connection.execute(_ATTEMPTS_VERSION, {"job_id": job_id}).all()
     return tuple(row), tuple(tuple(a) for a in attempts)
 
 
@@ -256,10 +266,12 @@ def jobs_version(
 ) -> tuple[Any, ...]:
     """Every stored value that this page of ``list_jobs`` shows (but the specs), read in
     two statements: equal versions give equal pages."""
-    page = _listed(_shown(select(*_JOB_SHOWN)), viewer, state)
-    rows = session.execute(page.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
-    count = _listed(select(func.count()).select_from(Job), viewer, state)
-    return tuple(tuple(r) for r in rows), session.scalar(count) or 0
+    page, count = _page_version(viewer.role is Role.ADMIN, state is not None)
+    params = {"owner_id": viewer.id, "state": state, "limit": limit, "offset": offset}
+    connection = session.connection()
+    rows = connection.execute(page, params).all()
+    total = connection.execute(count, params).scalar()
+    return tuple(tuple(r) for r in rows), total
 
 
 def change_job_state(

@@ -133,14 +133,17 @@ def user_from_database(
     raise Unauthenticated("the token is unknown or revoked")
 
 
-async def get_user(
-    factory: ReadFactoryDep, credentials: BearerDep, cache: CredentialsDep, now: NowDep
-) -> User:
+async def get_user(request: Request, credentials: BearerDep) -> User:
     """The caller, from the credential cache (``RELAUNCH_CREDENTIAL_CACHE_S``) or else
-    the database, on a worker thread."""
+    the database, on a worker thread. Read from the app's state rather than through
+    sub-dependencies: every route with a user resolves this, and each dependency costs
+    more than the cache."""
     token = _token(credentials)
+    cache = await get_credentials(request)
+    now = await get_now(request)
     user = cache.user(token, now)
     if user is None:
+        factory = await get_read_factory(request)
         user = await run_in_threadpool(user_from_database, factory, credentials)
         cache.remember(token, user, now)
     return user
