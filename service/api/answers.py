@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from fastapi import Response
@@ -55,6 +55,21 @@ class AnswerCache:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def answer(
+        self, key: Hashable, version_of: Callable[[], object], build: Callable[[], str]
+    ) -> Answer:
+        """The body kept for ``key`` if it was built from the version read now; else the
+        body ``build`` makes, kept only if the version is still the same once it is built
+        (on PostgreSQL each statement of a transaction sees the newest commit, so the
+        body may be newer than the version read before it)."""
+        version = version_of()
+        answer = self.get(key, version)
+        if answer is None:
+            answer = Answer.of(build().encode())
+            if version_of() == version:
+                self.put(key, version, answer)
+        return answer
 
     def get(self, key: Hashable, version: object) -> Answer | None:
         """The body kept for ``key``, if it was built from ``version``."""

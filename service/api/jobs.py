@@ -10,7 +10,6 @@ from sqlalchemy.orm import Session
 
 from service import jobs
 from service.anatomy import Recovery
-from service.api.answers import Answer
 from service.api.deps import (
     MAX_ID,
     AnswersDep,
@@ -171,14 +170,11 @@ def list_jobs(
     # An admin sees every job, so all admins share one page; a user's page is their own.
     key = ("jobs", None if user.role is Role.ADMIN else user.id, state, limit, offset)
     with transaction(factory) as session:
-        version = jobs.jobs_version(session, user, state, limit, offset)
-        answer = answers.get(key, version)
-        if answer is None:
-            answer = Answer.of(jobs_page(session, user, state, limit, offset).encode())
-            # On PostgreSQL each statement sees the newest commit: keep the body only if
-            # nothing changed while it was read.
-            if jobs.jobs_version(session, user, state, limit, offset) == version:
-                answers.put(key, version, answer)
+        answer = answers.answer(
+            key,
+            lambda: jobs.jobs_version(session, user, state, limit, offset),
+            lambda: jobs_page(session, user, state, limit, offset),
+        )
     return answer.response()
 
 
@@ -200,12 +196,12 @@ def get_job(
     job_id: IdPath, factory: ReadFactoryDep, user: UserDep, answers: AnswersDep
 ) -> Response:
     with transaction(factory) as session:
-        version = jobs.job_version(session, job_id, user)  # NotFound for another's job
-        answer = answers.get(("job", job_id), version)
-        if answer is None:
-            answer = Answer.of(job_detail(session, job_id, user).encode())
-            if jobs.job_version(session, job_id, user) == version:
-                answers.put(("job", job_id), version, answer)
+        answer = answers.answer(
+            ("job", job_id),
+            # NotFound for another user's job, before any kept body is looked at.
+            lambda: jobs.job_version(session, job_id, user),
+            lambda: job_detail(session, job_id, user),
+        )
     return answer.response()
 
 

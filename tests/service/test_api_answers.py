@@ -195,3 +195,12 @@ def test_the_cache_keeps_one_body_per_key_within_its_bounds() -> None:
     assert len(cache) == 1 and cache.get("d", 1) is not None
     cache.put("e", 1, Answer.of(b"0123456789x"))  # larger than the cache: not kept
     assert cache.get("e", 1) is None and cache.get("d", 1) is not None
+
+
+def test_a_body_read_while_the_job_changed_is_served_but_not_kept() -> None:
+    cache = AnswerCache()
+    versions = iter([1, 2, 2, 2])
+    built = cache.answer("k", lambda: next(versions), lambda: '{"n": 1}')
+    assert built.body == b'{"n": 1}' and len(cache) == 0  # version 1 before, 2 after
+    again = cache.answer("k", lambda: next(versions), lambda: '{"n": 2}')
+    assert again.body == b'{"n": 2}' and cache.get("k", 2) == again
