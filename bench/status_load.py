@@ -6,11 +6,15 @@ processes poll the job list or one job's detail as fast as they can, each with o
 keep-alive connection, either plainly or as a dashboard does: sending back the ETag
 of its last answer (If-None-Match), which is answered 304 while nothing changed.
 
-Per phase: requests/s, p50 and p99 latency, the share of 304s, and the jobs'
-training throughput (rank 0's samples/s, median over the phase) against the
-unloaded baseline, in the same run.
+Per phase: requests/s, p50 and p99 latency, the share of 304s, the controller's
+CPU time per request (its process's CPU over the phase, less what it used unloaded,
+over the requests: the cost that does not depend on how busy the machine is), and
+the jobs' training throughput (rank 0's samples/s, median over the phase) against
+the unloaded baseline, in the same run. With ``--rate`` the clients together send
+that many requests a second, as a number of open dashboards would, instead of as
+many as they can.
 
-    python -m bench.status_load [--seconds 10] [--clients 4]
+    python -m bench.status_load [--seconds 10] [--clients 4] [--rate 0]
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import psutil
 from rich.console import Console
 from rich.table import Table
 
 from service.client import RelaunchClient
 from service.local_cluster import LocalCluster, free_port
 
-console = Console()
+console = Console(width=130)
 JOB = {
     "task": {
         "name": "regression",
@@ -63,18 +68,24 @@ class Result:
     latencies_ms: list[float]
     not_modified: int
     samples_per_s: float
+    controller_cpu_s: float
 
 
 def hammer(
-    url: str, token: str, path: str, conditional: bool, until: float
+    url: str, token: str, path: str, conditional: bool, until: float, interval_s: float = 0.0
 ) -> tuple[list[float], int]:
-    """One client: GET ``path`` back to back until ``until``; latencies and 304 count."""
+    """One client: GET ``path`` back to back until ``until``, or one every ``interval_s``
+    seconds; latencies and 304 count."""
     latencies: list[float] = []
     not_modified = 0
     etag: str | None = None
     headers = {"authorization": f"Bearer {token}"}
+    due = time.time()
     with httpx.Client(base_url=url, timeout=10.0) as http:
         while time.time() < until:
+            if interval_s:
+                due += interval_s
+                time.sleep(max(0.0, due - time.time()))
             sent = {**headers, "if-none-match": etag} if conditional and etag else headers
             start = time.perf_counter()
             response = http.get(path, headers=sent)
@@ -102,6 +113,11 @@ def throughput(client: RelaunchClient, job_ids: list[int], since: float, until: 
     return statistics.median(speeds) if speeds else float("nan")
 
 
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def run_phase(
     cluster: LocalCluster,
     client: RelaunchClient,
@@ -109,14 +125,20 @@ def run_phase(
     phase: Phase,
     seconds: float,
     clients: int,
+    rate: float,
 ) -> Result:
     assert cluster.admin_token is not None
+    controller = psutil.Process(cluster.procs["controller"].pid)
+    cpu_before = cpu_seconds(controller)
     start = time.time()
     until = start + seconds
     latencies: list[float] = []
     not_modified = 0
     if phase.path:
-        args = [(cluster.url, cluster.admin_token, phase.path, phase.conditional, until)] * clients
+        interval_s = clients / rate if rate else 0.0
+        args = [
+            (cluster.url, cluster.admin_token, phase.path, phase.conditional, until, interval_s)
+        ] * clients
         with multiprocessing.Pool(clients) as pool:
             for lat, nm in pool.starmap(hammer, args):
                 latencies += lat
@@ -124,9 +146,10 @@ def run_phase(
     else:
         time.sleep(seconds)
     elapsed = time.time() - start
+    controller_cpu_s = cpu_seconds(controller) - cpu_before
     time.sleep(1.0)  # let the last progress reports of the phase arrive
     speed = throughput(client, jobs, start + 1.0, start + elapsed)
-    return Result(phase, len(latencies), elapsed, latencies, not_modified, speed)
+    return Result(phase, len(latencies), elapsed, latencies, not_modified, speed, controller_cpu_s)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -140,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per phase")
     parser.add_argument("--clients", type=int, default=4, help="polling processes per phase")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="requests/s of all clients (0: as many as they can)"
+    )
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="relaunch-bench-status-"))
@@ -169,7 +195,9 @@ def main(argv: list[str] | None = None) -> None:
             results = []
             for phase in phases:
                 console.print(f"phase: {phase.name} ({args.seconds:g} s)")
-                results.append(run_phase(cluster, client, jobs, phase, args.seconds, args.clients))
+                results.append(
+                    run_phase(cluster, client, jobs, phase, args.seconds, args.clients, args.rate)
+                )
             for job_id in jobs:
                 client.cancel(job_id)
     finally:
@@ -181,9 +209,12 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
     baseline = statistics.mean(
         r.samples_per_s for r in results if not r.phase.path and r.samples_per_s == r.samples_per_s
     )
+    unloaded = [r.controller_cpu_s / r.seconds for r in results if not r.phase.path]
+    idle_cpu = statistics.mean(unloaded)  # the reconciler and the jobs' reports
+    pace = f"{args.rate:g} requests/s in all" if args.rate else "as fast as they can"
     table = Table(
-        title=f"status API under load: {args.clients} polling processes, {args.seconds:g} s per "
-        "phase, two one-node jobs training (relaunch's regression task)"
+        title=f"status API under load: {args.clients} polling processes ({pace}), "
+        f"{args.seconds:g} s per phase, two one-node jobs training (relaunch's regression task)"
     )
     for column in (
         "phase",
@@ -191,6 +222,7 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         "p50 ms",
         "p99 ms",
         "304s",
+        "controller CPU ms/req",
         "training samples/s",
         "vs no load",
     ):
@@ -203,13 +235,18 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
             f"{quantile(r.latencies_ms, 0.5):.1f}" if loaded else "-",
             f"{quantile(r.latencies_ms, 0.99):.1f}" if loaded else "-",
             f"{100 * r.not_modified / r.requests:.0f} %" if loaded and r.requests else "-",
+            f"{1000 * (r.controller_cpu_s - idle_cpu * r.seconds) / r.requests:.2f}"
+            if loaded and r.requests
+            else "-",
             f"{r.samples_per_s:.0f}",
             f"{100 * (r.samples_per_s / baseline - 1):+.1f} %",
         )
     console.print(table)
     console.print(
         "baseline: the mean of the two unloaded phases. Targets (issue 5): >= 1,000 req/s, "
-        "p99 <= 50 ms, training slowdown < 5 %."
+        "p99 <= 50 ms, training slowdown < 5 %. Controller CPU: its process's, less its "
+        f"unloaded {1000 * idle_cpu:.0f} ms/s, per request. Load average at the end: "
+        f"{psutil.getloadavg()[0]:.1f} on {psutil.cpu_count()} CPUs."
     )
 
 

@@ -14,11 +14,13 @@ import hashlib
 import hmac
 import logging
 import secrets
-from datetime import datetime
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, make_transient_to_detached, sessionmaker
 
 from service.errors import Conflict, NotFound
 from service.models import ApiToken, Node, Role, User
@@ -132,6 +134,66 @@ def user_for_token(session: Session, token: str) -> User | None:
         .where(ApiToken.token_hash == token_hash(token), ApiToken.revoked_at.is_(None))
     )
     return session.scalars(stmt).one_or_none()
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What a credential check found: the user's columns, and until when they may be used."""
+
+    user: dict[str, object]
+    checked_at: datetime
+    until: datetime
+
+
+# Past this many cached credentials the oldest half is dropped: a caller who sends many
+# valid tokens cannot grow the cache without bound (an unknown token is never cached).
+MAX_CACHED_CREDENTIALS = 10_000
+
+
+class CredentialCache:
+    """The users of recently checked API tokens, each kept for ``ttl_s`` seconds.
+
+    A token revoked on another controller (or straight in the database) still works
+    here until its entry is ``ttl_s`` old, and no longer; one revoked through this
+    controller stops at once (``forget``). A clock that went back ends every entry
+    checked after its new time. ``ttl_s`` 0 checks every request against the
+    database. Only users are cached: an unknown or revoked token, or a node's, is
+    looked up every time. Entries are keyed by the token's sha256, never its text.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        if ttl_s < 0:
+            raise ValueError(f"a credential cache lasts 0 seconds or more, not {ttl_s}")
+        self.ttl = timedelta(seconds=ttl_s)
+        self._entries: dict[str, _Checked] = {}
+        self._lock = threading.Lock()
+
+    def user(self, token: str, now: datetime) -> User | None:
+        """The user whose token this is, if checked in the last ``ttl_s`` seconds; a
+        detached copy of its own for each caller."""
+        if not self.ttl:
+            return None
+        entry = self._entries.get(token_hash(token))
+        if entry is None or not entry.checked_at <= now < entry.until:
+            return None
+        user = User(**entry.user)
+        make_transient_to_detached(user)
+        return user
+
+    def remember(self, token: str, user: User, now: datetime) -> None:
+        if not self.ttl:
+            return
+        columns = {c.key: getattr(user, c.key) for c in User.__mapper__.column_attrs}
+        with self._lock:
+            if len(self._entries) >= MAX_CACHED_CREDENTIALS:
+                for key in list(self._entries)[: MAX_CACHED_CREDENTIALS // 2]:
+                    del self._entries[key]
+            self._entries[token_hash(token)] = _Checked(columns, now, now + self.ttl)
+
+    def forget(self, hashed: str) -> None:
+        """Drop the entry of the token whose sha256 is ``hashed`` (it was revoked)."""
+        with self._lock:
+            self._entries.pop(hashed, None)
 
 
 def node_for_token(session: Session, token: str) -> Node | None:

@@ -11,9 +11,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import set_committed_value
@@ -23,7 +24,19 @@ from service import anatomy, fence
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.job_events import add_event, add_events_alike
-from service.models import IdempotencyKey, Job, JobEvent, LogEntry, Metric, Role, Snapshot, User
+from service.models import (
+    Attempt,
+    AttemptMember,
+    IdempotencyKey,
+    Job,
+    JobEvent,
+    LogEntry,
+    Metric,
+    Node,
+    Role,
+    Snapshot,
+    User,
+)
 from service.secrets import Keyring, seal_spec
 from service.spec import JobSpec, parse_nnodes
 from service.states import TERMINAL_JOB_STATES, JobState
@@ -161,16 +174,104 @@ def job_for(session: Session, job_id: int, viewer: User, *, for_update: bool = F
     return job
 
 
+def _listed(stmt: Select[Any], viewer: User, state: JobState | None) -> Select[Any]:
+    stmt = _visible(stmt, viewer)
+    return stmt if state is None else stmt.where(Job.state == state)
+
+
 def list_jobs(
     session: Session, viewer: User, state: JobState | None, limit: int, offset: int
 ) -> tuple[list[Job], int]:
-    stmt = _visible(select(Job), viewer)
-    count = _visible(select(func.count()).select_from(Job), viewer)
-    if state is not None:
-        stmt = stmt.where(Job.state == state)
-        count = count.where(Job.state == state)
+    stmt = _listed(select(Job), viewer, state)
+    count = _listed(select(func.count()).select_from(Job), viewer, state)
     jobs = session.scalars(stmt.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
     return list(jobs), session.scalar(count) or 0
+
+
+# What a job's answer (``JobPublic``) is built from, besides its spec, which never changes
+# after submit: the row's other columns, its owner's name, and what ``last_snapshot_times``
+# and ``last_step_times`` read (metrics are only ever added, so their ids stand for them).
+# Plain table columns and statements built once: these are read on every poll, and an
+# ORM statement built per call costs more than running it.
+_jobs, _users = Job.__table__.c, User.__table__.c
+_snapshots, _metrics = Snapshot.__table__.c, Metric.__table__.c
+_attempts, _members, _nodes = Attempt.__table__.c, AttemptMember.__table__.c, Node.__table__.c
+_JOB_SHOWN = select(
+    *(column for column in _jobs if column.key != "spec"),
+    _users.name.label("owner_name"),
+    select(func.max(_snapshots.created_at))
+    .where(_snapshots.job_id == _jobs.id)
+    .scalar_subquery()
+    .label("last_snapshot_at"),
+    *(
+        select(_metrics.id)
+        .where(_metrics.job_id == _jobs.id)
+        .order_by(_metrics.id.desc())
+        .limit(1)
+        .offset(newer)
+        .scalar_subquery()
+        .label(f"metric_{newer}")
+        for newer in (0, 1)
+    ),
+).select_from(Job.__table__.outerjoin(User.__table__, _users.id == _jobs.owner_id))
+_JOB_VERSION = _JOB_SHOWN.where(_jobs.id == bindparam("job_id"))
+# And what its attempts (``AttemptPublic``) are built from.
+_ATTEMPTS_VERSION = (
+    select(
+        *(_attempts[name] for name in ("id", "number", "rdzv_id", "state", "device")),
+        *(_attempts[name] for name in ("world_size", "created_at", "ended_at", "result")),
+        *(_members[name] for name in ("id", "node_id", "state", "joined_at", "left_at")),
+        _members.exit_code,
+        _members.gpus,
+        _nodes.name,
+    )
+    .select_from(
+        Attempt.__table__.outerjoin(
+            AttemptMember.__table__, _members.attempt_id == _attempts.id
+        ).outerjoin(Node.__table__, _nodes.id == _members.node_id)
+    )
+    .where(_attempts.job_id == bindparam("job_id"))
+    .order_by(_attempts.id, _members.id)
+)
+
+
+@cache
+def _page_version(everyone: bool, one_state: bool) -> tuple[Select[Any], Select[Any]]:
+    """A page of ``list_jobs`` and its count, as ``jobs_version`` reads them."""
+    page = _JOB_SHOWN.order_by(_jobs.id.desc())
+    count = select(func.count()).select_from(Job.__table__)
+    if not everyone:
+        page = page.where(_jobs.owner_id == bindparam("owner_id"))
+        count = count.where(_jobs.owner_id == bindparam("owner_id"))
+    if one_state:
+        page = page.where(_jobs.state == bindparam("state"))
+        count = count.where(_jobs.state == bindparam("state"))
+    return page.limit(bindparam("limit")).offset(bindparam("offset")), count
+
+
+def job_version(session: Session, job_id: int, viewer: User) -> tuple[Any, ...]:
+    """Every stored value that job ``job_id``'s detail shows (but its spec), read in two
+    statements: equal versions give equal details. Raises ``NotFound`` as ``job_for`` does,
+    for a job the viewer may not see as for one that does not exist."""
+    connection = session.connection()
+    row = connection.execute(_JOB_VERSION, {"job_id": job_id}).one_or_none()
+    if row is None or (viewer.role is not Role.ADMIN and row.owner_id != viewer.id):
+        raise NotFound(f"job {job_id} does not exist")
+    attempts = connection.execute(_ATTEMPTS_VERSION, {"job_id": job_id}).all()
+    return tuple(row), tuple(tuple(a) for a in attempts)
+
+
+def jobs_version(
+    session: Session, viewer: User, state: JobState | None, limit: int, offset: int
+) -> tuple[Any, ...]:
+    """Every stored value that this page of ``list_jobs`` shows (but the specs), read in
+    two statements: equal versions give equal pages."""
+    page, count = _page_version(viewer.role is Role.ADMIN, state is not None)
+    params = {"owner_id": viewer.id, "state": state, "limit": limit, "offset": offset}
+    connection = session.connection()
+    rows = connection.execute(page, params).all()
+    total = connection.execute(count, params).scalar()
+    return tuple(tuple(r) for r in rows), total
 
 
 def change_job_state(

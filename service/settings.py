@@ -55,6 +55,14 @@ class ControllerSettings(BaseSettings):
         description="Threads that run the API's routes; the database pool is sized to "
         "match (this many connections, and a few more for the reconciler)",
     )
+    credential_cache_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=60,
+        description="Seconds a checked API token is trusted without asking the database "
+        "again: a token revoked on another controller, or in the database, stops working "
+        "within this time (on the controller that revoked it, at once); 0 checks every request",
+    )
 
     snapshot_root: str | None = Field(
         default=None,

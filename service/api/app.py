@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from contract.protocol import ReportRefused
 from service import auth
 from service.api import enrolment, health, jobs, metrics, nodes, rendezvous, users
+from service.api.answers import AnswerCache
 from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
 from service.db import (
@@ -123,6 +124,8 @@ def create_app(
     app.state.session_factory = factory
     app.state.read_session_factory = read_factory
     app.state.clock = clock
+    app.state.credentials = auth.CredentialCache(settings.credential_cache_s)
+    app.state.answers = AnswerCache()
     app.state.engine = engine
     app.state.metrics = controller_metrics
     app.include_router(health.router)

@@ -3,8 +3,10 @@ sends it back in If-None-Match gets 304 with no body while nothing changed.
 
 The ETag is the sha256 of the body, so it changes exactly when the answer
 does, and is per caller without any bookkeeping: two users who see different
-things get different bodies. The route still runs (the database is read); what
-a poller saves is the transfer and its own parsing. ``Cache-Control: private,
+things get different bodies. The route still runs (the caller is checked, the
+database is read); what a poller saves is the transfer and its own parsing. A
+route that already knows its body's ETag (``etag_of``, from
+``service.api.answers``) sets it, and the body is not hashed again. ``Cache-Control: private,
 no-cache`` lets a browser keep the answer but ask every time, and never lets a
 shared cache hold it.
 """
@@ -17,6 +19,10 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CACHE_CONTROL = "private, no-cache"
+
+
+def etag_of(body: bytes) -> str:
+    return f'"{hashlib.sha256(body).hexdigest()[:32]}"'
 
 
 def _matches(if_none_match: str, etag: str) -> bool:
@@ -58,8 +64,8 @@ class ConditionalGet:
             if message.get("more_body", False):
                 return
             body = b"".join(chunks)
-            etag = f'"{hashlib.sha256(body).hexdigest()[:32]}"'
             headers = MutableHeaders(scope=start)
+            etag = headers.get("etag") or etag_of(body)
             headers["etag"] = etag
             headers["cache-control"] = CACHE_CONTROL
             headers.append("vary", "Authorization")

@@ -9,8 +9,10 @@ from typing import Annotated
 from fastapi import Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from service import auth
+from service.api.answers import AnswerCache
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
 from service.metrics import ControllerMetrics
@@ -33,33 +35,45 @@ def get_read_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_read_factory(request: Request) -> sessionmaker[Session]:
+async def get_read_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.read_session_factory
     return factory
 
 
-def get_settings(request: Request) -> ControllerSettings:
+async def get_settings(request: Request) -> ControllerSettings:
     settings: ControllerSettings = request.app.state.settings
     return settings
 
 
-def get_keyring(request: Request) -> Keyring:
+async def get_keyring(request: Request) -> Keyring:
     """The keys of jobs' env values, loaded and checked against the database at start."""
     keyring: Keyring = request.app.state.keyring
     return keyring
 
 
-def get_now(request: Request) -> datetime:
+async def get_now(request: Request) -> datetime:
     clock: Callable[[], datetime] = request.app.state.clock
     return clock()
 
 
-def get_metrics(request: Request) -> ControllerMetrics:
+async def get_metrics(request: Request) -> ControllerMetrics:
     metrics: ControllerMetrics = request.app.state.metrics
     return metrics
 
 
-def get_session_factory(request: Request) -> sessionmaker[Session]:
+async def get_credentials(request: Request) -> auth.CredentialCache:
+    """The users of recently checked tokens (``auth.CredentialCache``)."""
+    cache: auth.CredentialCache = request.app.state.credentials
+    return cache
+
+
+async def get_answers(request: Request) -> AnswerCache:
+    """The bodies of recent job reads, each with what it was built from."""
+    cache: AnswerCache = request.app.state.answers
+    return cache
+
+
+async def get_session_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     return factory
 
@@ -77,6 +91,8 @@ FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 ReadFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_factory)]
 MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
+CredentialsDep = Annotated[auth.CredentialCache, Depends(get_credentials)]
+AnswersDep = Annotated[AnswerCache, Depends(get_answers)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1
@@ -103,7 +119,10 @@ def _token(credentials: HTTPAuthorizationCredentials | None) -> str:
 # behind one the credential check still holds (SQLite runs one at a time).
 
 
-def get_user(factory: ReadFactoryDep, credentials: BearerDep) -> User:
+def user_from_database(
+    factory: sessionmaker[Session], credentials: HTTPAuthorizationCredentials | None
+) -> User:
+    """The caller, looked up in the database (no cache)."""
     token = _token(credentials)
     with transaction(factory) as session:
         user = auth.user_for_token(session, token)
@@ -114,10 +133,30 @@ def get_user(factory: ReadFactoryDep, credentials: BearerDep) -> User:
     raise Unauthenticated("the token is unknown or revoked")
 
 
-def get_admin(user: Annotated[User, Depends(get_user)]) -> User:
+async def get_user(request: Request, credentials: BearerDep) -> User:
+    """The caller, from the credential cache (``RELAUNCH_CREDENTIAL_CACHE_S``) or else
+    the database, on a worker thread. Read from the app's state rather than through
+    sub-dependencies: every route with a user resolves this, and each dependency costs
+    more than the cache."""
+    token = _token(credentials)
+    cache = await get_credentials(request)
+    now = await get_now(request)
+    user = cache.user(token, now)
+    if user is None:
+        factory = await get_read_factory(request)
+        user = await run_in_threadpool(user_from_database, factory, credentials)
+        cache.remember(token, user, now)
+    return user
+
+
+def require_admin(user: User) -> User:
     if user.role is not Role.ADMIN:
         raise Forbidden(f"user {user.name!r} is not an admin")
     return user
+
+
+async def get_admin(user: Annotated[User, Depends(get_user)]) -> User:
+    return require_admin(user)
 
 
 def get_calling_node(factory: ReadFactoryDep, credentials: BearerDep) -> Node:

@@ -12,18 +12,20 @@ from service import jobs
 from service.anatomy import Recovery
 from service.api.deps import (
     MAX_ID,
+    AnswersDep,
     FactoryDep,
     IdPath,
     KeyringDep,
     NowDep,
     Offset,
     PageLimit,
+    ReadFactoryDep,
     ReadSessionDep,
     SettingsDep,
     UserDep,
 )
-from service.db import retry_on_stale
-from service.models import Attempt, Job
+from service.db import retry_on_stale, transaction
+from service.models import Attempt, Job, Role, User
 from service.placement import stored_device
 from service.schemas import (
     REDACTED,
@@ -158,12 +160,25 @@ def submit(
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
-    session: ReadSessionDep,
+    factory: ReadFactoryDep,
     user: UserDep,
+    answers: AnswersDep,
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     offset: Offset = 0,
-) -> JobsPublic:
+) -> Response:
+    # An admin sees every job, so all admins share one page; a user's page is their own.
+    key = ("jobs", None if user.role is Role.ADMIN else user.id, state, limit, offset)
+    with transaction(factory) as session:
+        answer = answers.answer(
+            key,
+            lambda: jobs.jobs_version(session, user, state, limit, offset),
+            lambda: jobs_page(session, user, state, limit, offset),
+        )
+    return answer.response()
+
+
+def jobs_page(session: Session, user: User, state: JobState | None, limit: int, offset: int) -> str:
     items, total = jobs.list_jobs(session, user, state, limit, offset)
     ids = [j.id for j in items]
     saved = jobs.last_snapshot_times(session, ids)
@@ -173,11 +188,24 @@ def list_jobs(
         total=total,
         limit=limit,
         offset=offset,
-    )
+    ).model_dump_json()
 
 
 @router.get("/{job_id}", response_model=JobDetail)
-def get_job(job_id: IdPath, session: ReadSessionDep, user: UserDep) -> JobDetail:
+def get_job(
+    job_id: IdPath, factory: ReadFactoryDep, user: UserDep, answers: AnswersDep
+) -> Response:
+    with transaction(factory) as session:
+        answer = answers.answer(
+            ("job", job_id),
+            # NotFound for another user's job, before any kept body is looked at.
+            lambda: jobs.job_version(session, job_id, user),
+            lambda: job_detail(session, job_id, user),
+        )
+    return answer.response()
+
+
+def job_detail(session: Session, job_id: int, user: User) -> str:
     job = jobs.job_for(session, job_id, user)
     attempts = [attempt_public(a) for a in job.attempts]
     saved = jobs.last_snapshot_times(session, [job.id]).get(job.id)
@@ -185,7 +213,7 @@ def get_job(job_id: IdPath, session: ReadSessionDep, user: UserDep) -> JobDetail
     device = attempts[-1].device if attempts else None
     return JobDetail(
         **job_public(job, saved, step_time).model_dump(), device=device, attempts=attempts
-    )
+    ).model_dump_json()
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)

@@ -19,8 +19,8 @@ from service.api.deps import (
     MetricsDep,
     ReadFactoryDep,
     SettingsDep,
-    get_admin,
-    get_user,
+    require_admin,
+    user_from_database,
 )
 
 router = APIRouter(tags=["metrics"])
@@ -37,5 +37,5 @@ def scrape(
         and shown is not None
         and hmac.compare_digest(shown.encode(), scrape_token.get_secret_value().encode())
     ):
-        get_admin(get_user(factory, credentials))  # raises 401 or 403
+        require_admin(user_from_database(factory, credentials))  # raises 401 or 403
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -8,6 +8,8 @@ from fastapi import APIRouter, status
 from service import auth
 from service.api.deps import (
     AdminDep,
+    CredentialsDep,
+    FactoryDep,
     IdPath,
     NowDep,
     Offset,
@@ -16,6 +18,7 @@ from service.api.deps import (
     SessionDep,
     UserDep,
 )
+from service.db import transaction
 from service.models import ApiToken, User
 from service.schemas import (
     TokenCreate,
@@ -82,5 +85,12 @@ def create_token(
 
 
 @router.post("/tokens/{token_id}/revoke", response_model=TokenPublic)
-def revoke_token(token_id: IdPath, _: AdminDep, session: SessionDep, now: NowDep) -> ApiToken:
-    return auth.revoke_token(session, token_id, now)
+def revoke_token(
+    token_id: IdPath, _: AdminDep, factory: FactoryDep, credentials: CredentialsDep, now: NowDep
+) -> ApiToken:
+    # Forgotten once the revoke is committed: a request checking the token meanwhile
+    # could otherwise cache it again as live.
+    with transaction(factory) as session:
+        row = auth.revoke_token(session, token_id, now)
+    credentials.forget(row.token_hash)
+    return row

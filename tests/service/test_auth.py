@@ -351,3 +351,70 @@ def test_the_last_live_admin_token_cannot_be_revoked(api: Cluster) -> None:
     last = api.post(f"/api/v1/tokens/{mine}/revoke")
     assert last.status_code == 409 and "last live admin token" in last.json()["detail"]
     assert api.get("/api/v1/users/me").status_code == 200
+
+
+def _revoke_in_the_database(api: Cluster, token: str) -> None:
+    """As another controller sharing the database (or an operator) would."""
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with transaction(factory) as session:
+        session.execute(
+            text("UPDATE api_tokens SET revoked_at = created_at WHERE token_hash = :h"),
+            {"h": auth.token_hash(token)},
+        )
+
+
+def test_a_token_revoked_elsewhere_stops_working_within_the_cache_time(
+    world: World, clock: FakeClock, settings: ControllerSettings
+) -> None:
+    me = "/api/v1/users/me"
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 200
+    _revoke_in_the_database(world.api, world.alice)
+    clock.advance(settings.credential_cache_s / 2)
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 200  # still cached
+    clock.advance(settings.credential_cache_s / 2)
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 401
+    assert world.api.get(me, headers=bearer(world.bob)).status_code == 200
+
+
+def test_a_clock_that_went_back_ends_the_cached_credentials(world: World, clock: FakeClock) -> None:
+    me = "/api/v1/users/me"
+    clock.advance(60)
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 200
+    _revoke_in_the_database(world.api, world.alice)
+    clock.advance(-1)
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 401
+
+
+def test_without_a_cache_time_every_request_asks_the_database(
+    settings: ControllerSettings, clock: FakeClock
+) -> None:
+    app = create_app(
+        settings.model_copy(update={"credential_cache_s": 0}), clock=clock, run_background=False
+    )
+    with Cluster(app) as api:
+        api.user_token = api.add_user("root", Role.ADMIN)
+        alice = api.add_user("alice")
+        assert api.get("/api/v1/users/me", headers=bearer(alice)).status_code == 200
+        _revoke_in_the_database(api, alice)
+        assert api.get("/api/v1/users/me", headers=bearer(alice)).status_code == 401
+
+
+def test_the_cache_holds_users_not_token_texts_nor_refusals(world: World) -> None:
+    cache = world.api.app.state.credentials  # type: ignore[attr-defined]
+    world.api.get("/api/v1/users/me", headers=bearer(world.alice))
+    world.api.get("/api/v1/users/me", headers=bearer("rlu_not-a-real-token"))
+    world.api.get("/api/v1/jobs", headers=bearer(world.node_token))
+    kept = repr(cache._entries)
+    assert world.alice not in kept and auth.token_hash(world.alice) in kept
+    assert auth.token_hash("rlu_not-a-real-token") not in kept
+    assert auth.token_hash(world.node_token) not in kept
+
+
+def test_each_request_gets_its_own_copy_of_a_cached_user(world: World) -> None:
+    cache = world.api.app.state.credentials  # type: ignore[attr-defined]
+    now = world.api.app.state.clock()  # type: ignore[attr-defined]
+    world.api.get("/api/v1/users/me", headers=bearer(world.alice))
+    first, second = cache.user(world.alice, now), cache.user(world.alice, now)
+    assert first is not second and first.name == second.name == "alice"
+    first.role = Role.ADMIN
+    assert cache.user(world.alice, now).role is Role.USER
