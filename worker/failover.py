@@ -37,25 +37,41 @@ FAILOVER_STATUS = frozenset({502, 503, 504})
 # How long a client waits for a connection: a controller whose host is gone answers
 # nothing, and the next one on the list should be asked soon.
 CONNECT_TIMEOUT_S = 5.0
-_URL = re.compile(r"^https?://[^/\s,]+(/[^\s,]*)?$")
+# scheme://host[:port][/path]: no credentials (a node's calls carry its token, and the list
+# is logged and handed to every job's workers), no query or fragment, no whitespace.
+_URL = re.compile(r"^https?://[^/\s,@?#]+(/[^\s,@?#]*)?$")
 
 
 def controller_urls(value: str) -> tuple[str, ...]:
     """The controllers that ``value`` names, one or more http(s) URLs separated by commas,
     each without its trailing slash, in the order given.
 
-    ``ValueError`` for an empty list or entry, an entry that is not an http(s) URL, or
-    one named twice."""
+    ``ValueError`` for an empty list or entry, an entry that is not an http(s) URL of a
+    host and an optional path (credentials, a query or a fragment are refused), or one
+    controller named twice (however its host's case or default port is spelled)."""
     urls = tuple(part.strip().rstrip("/") for part in value.split(","))
-    for url in urls:
-        if not _URL.match(url):
-            raise ValueError(
-                f"controller_url must be an http(s) URL or a comma-separated list of them, "
-                f"got {url!r} in {value!r}"
-            )
-    if len(set(urls)) != len(urls):
+    parsed = {_parse(url, value) for url in urls}
+    if len(parsed) != len(urls):
         raise ValueError(f"controller_url names a controller twice: {value!r}")
     return urls
+
+
+def _parse(url: str, value: str) -> httpx.URL:
+    """``url``, one entry of ``value``, parsed; ``ValueError`` if it is not a controller's."""
+    problem = (
+        "controller_url must be an http(s) URL or a comma-separated list of them, "
+        f"got {url!r} in {value!r}"
+    )
+    if _URL.match(url):
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            problem = f"{problem}: {exc}"
+        else:
+            if parsed.port is None or 0 < parsed.port < 65536:
+                return parsed
+            problem = f"{problem}: port {parsed.port} is out of range"
+    raise ValueError(problem)
 
 
 class FailoverTransport(httpx.BaseTransport):

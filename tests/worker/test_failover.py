@@ -26,16 +26,37 @@ def test_controller_urls_reads_one_url_or_a_comma_separated_list(
 
 
 @pytest.mark.parametrize(
-    "value", ["", "a:8080", "ftp://a", "http://a:8080,", "http://a,,http://b", "http://a b"]
+    "value",
+    [
+        "",
+        "a:8080",
+        "ftp://a",
+        "http://a:8080,",
+        "http://a,,http://b",
+        "http://a b",
+        "http://a\tb",
+        # credentials would be logged and handed to every job's workers, and would
+        # replace the node's token in the Authorization header
+        "http://user:secret@a:8080",
+        "http://a:8080/x@y",
+        "http://a:8080?x=1",  # a query or fragment would swallow the API's path
+        "http://a:8080/p#f",
+        "http://a:port",  # not a URL that httpx can call
+        "http://a:70000",
+    ],
 )
 def test_controller_urls_refuses_what_is_not_a_list_of_http_urls(value: str) -> None:
     with pytest.raises(ValueError, match="controller_url must be an http"):
         controller_urls(value)
 
 
-def test_controller_urls_refuses_a_controller_named_twice() -> None:
+@pytest.mark.parametrize(
+    "value",
+    ["http://a:8080,http://a:8080/", "http://a:8080,http://A:8080", "http://a:80,http://a"],
+)
+def test_controller_urls_refuses_a_controller_named_twice(value: str) -> None:
     with pytest.raises(ValueError, match="twice"):
-        controller_urls("http://a:8080,http://a:8080/")
+        controller_urls(value)
 
 
 class _Controllers:
