@@ -11,8 +11,10 @@ reads it.
 One that does not answer (a connection error or a timeout) or answers
 ``FAILOVER_STATUS`` is left for the next in the list, at most once round the
 list per request; the last failure of a round is what the caller sees, so a
-caller's own retries (and their budgets) work as with one controller. With one
-URL the transport passes every request through unchanged.
+caller's own retries (and their budgets) work as with one controller. A client
+of one controller gets no ``FailoverTransport`` (``controller_transport``), so it
+keeps httpx's defaults, the proxies of ``HTTP(S)_PROXY`` among them; one of
+several goes to each controller directly.
 
 A request whose answer was lost may have been served: it is sent again to the
 next controller, as a caller's retry would send it again to the same one, so
@@ -72,6 +74,16 @@ def _parse(url: str, value: str) -> httpx.URL:
                 return parsed
             problem = f"{problem}: port {parsed.port} is out of range"
     raise ValueError(problem)
+
+
+def controller_transport(
+    urls: Sequence[str], inner: httpx.BaseTransport | None = None
+) -> httpx.BaseTransport | None:
+    """The transport of a client of ``urls``: ``inner`` itself for one controller, so a
+    client of one keeps httpx's defaults (``inner`` None: the proxies that ``HTTP_PROXY``,
+    ``HTTPS_PROXY`` and ``NO_PROXY`` name), else a ``FailoverTransport`` over ``inner``,
+    which goes to every controller directly."""
+    return inner if len(urls) == 1 else FailoverTransport(urls, inner)
 
 
 class FailoverTransport(httpx.BaseTransport):
