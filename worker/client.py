@@ -42,7 +42,7 @@ from contract.protocol import (
     ReportRefused,
     StopReason,
 )
-from worker.failover import FailoverTransport, controller_urls
+from worker.failover import controller_transport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class ControllerClient:
         self._http = httpx.Client(
             base_url=urls[0] + "/api/v1",
             timeout=timeout_s,
-            transport=FailoverTransport(urls, transport),
+            transport=controller_transport(urls, transport),
         )
         self._attempts = attempts
         self._backoff_s = backoff_s

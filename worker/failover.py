@@ -11,8 +11,10 @@ reads it.
 One that does not answer (a connection error or a timeout) or answers
 ``FAILOVER_STATUS`` is left for the next in the list, at most once round the
 list per request; the last failure of a round is what the caller sees, so a
-caller's own retries (and their budgets) work as with one controller. With one
-URL the transport passes every request through unchanged.
+caller's own retries (and their budgets) work as with one controller. A client
+of one controller gets no ``FailoverTransport`` (``controller_transport``), so it
+keeps httpx's defaults, the proxies of ``HTTP(S)_PROXY`` among them; one of
+several goes to each controller directly.
 
 A request whose answer was lost may have been served: it is sent again to the
 next controller, as a caller's retry would send it again to the same one, so
@@ -37,25 +39,51 @@ FAILOVER_STATUS = frozenset({502, 503, 504})
 # How long a client waits for a connection: a controller whose host is gone answers
 # nothing, and the next one on the list should be asked soon.
 CONNECT_TIMEOUT_S = 5.0
-_URL = re.compile(r"^https?://[^/\s,]+(/[^\s,]*)?$")
+# scheme://host[:port][/path]: no credentials (a node's calls carry its token, and the list
+# is logged and handed to every job's workers), no query or fragment, no whitespace.
+_URL = re.compile(r"^https?://[^/\s,@?#]+(/[^\s,@?#]*)?$")
 
 
 def controller_urls(value: str) -> tuple[str, ...]:
     """The controllers that ``value`` names, one or more http(s) URLs separated by commas,
     each without its trailing slash, in the order given.
 
-    ``ValueError`` for an empty list or entry, an entry that is not an http(s) URL, or
-    one named twice."""
+    ``ValueError`` for an empty list or entry, an entry that is not an http(s) URL of a
+    host and an optional path (credentials, a query or a fragment are refused), or one
+    controller named twice (however its host's case or default port is spelled)."""
     urls = tuple(part.strip().rstrip("/") for part in value.split(","))
-    for url in urls:
-        if not _URL.match(url):
-            raise ValueError(
-                f"controller_url must be an http(s) URL or a comma-separated list of them, "
-                f"got {url!r} in {value!r}"
-            )
-    if len(set(urls)) != len(urls):
+    parsed = {_parse(url, value) for url in urls}
+    if len(parsed) != len(urls):
         raise ValueError(f"controller_url names a controller twice: {value!r}")
     return urls
+
+
+def _parse(url: str, value: str) -> httpx.URL:
+    """``url``, one entry of ``value``, parsed; ``ValueError`` if it is not a controller's."""
+    problem = (
+        "controller_url must be an http(s) URL or a comma-separated list of them, "
+        f"got {url!r} in {value!r}"
+    )
+    if _URL.match(url):
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            problem = f"{problem}: {exc}"
+        else:
+            if parsed.port is None or 0 < parsed.port < 65536:
+                return parsed
+            problem = f"{problem}: port {parsed.port} is out of range"
+    raise ValueError(problem)
+
+
+def controller_transport(
+    urls: Sequence[str], inner: httpx.BaseTransport | None = None
+) -> httpx.BaseTransport | None:
+    """The transport of a client of ``urls``: ``inner`` itself for one controller, so a
+    client of one keeps httpx's defaults (``inner`` None: the proxies that ``HTTP_PROXY``,
+    ``HTTPS_PROXY`` and ``NO_PROXY`` name), else a ``FailoverTransport`` over ``inner``,
+    which goes to every controller directly."""
+    return inner if len(urls) == 1 else FailoverTransport(urls, inner)
 
 
 class FailoverTransport(httpx.BaseTransport):

@@ -69,7 +69,7 @@ from contract.rendezvous import (
     decode,
     encode,
 )
-from worker.failover import CONNECT_TIMEOUT_S, FailoverTransport, controller_urls
+from worker.failover import CONNECT_TIMEOUT_S, controller_transport, controller_urls
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class ControllerRendezvous:
                 "authorization": f"Bearer {node_token}",
                 **({} if member_id is None else {MEMBER_HEADER: str(member_id)}),
             },
-            transport=FailoverTransport(urls, transport),
+            transport=controller_transport(urls, transport),
         )
 
     def close(self) -> None:

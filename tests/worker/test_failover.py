@@ -1,11 +1,16 @@
-from collections.abc import Iterable
+import json
+import threading
+from collections.abc import Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from contract.protocol import Heartbeat, NodeRegister
+from contract.rendezvous import RendezvousState
 from worker.client import ControllerClient, ControllerUnavailableError
 from worker.failover import FailoverTransport, controller_urls
+from worker.rendezvous import ControllerRendezvous
 from worker.runtime.fence import ControllerCounter
 
 A, B, C = "http://a:8080", "http://b:8080", "https://c/relaunch"
@@ -26,16 +31,37 @@ def test_controller_urls_reads_one_url_or_a_comma_separated_list(
 
 
 @pytest.mark.parametrize(
-    "value", ["", "a:8080", "ftp://a", "http://a:8080,", "http://a,,http://b", "http://a b"]
+    "value",
+    [
+        "",
+        "a:8080",
+        "ftp://a",
+        "http://a:8080,",
+        "http://a,,http://b",
+        "http://a b",
+        "http://a\tb",
+        # credentials would be logged and handed to every job's workers, and would
+        # replace the node's token in the Authorization header
+        "http://user:secret@a:8080",
+        "http://a:8080/x@y",
+        "http://a:8080?x=1",  # a query or fragment would swallow the API's path
+        "http://a:8080/p#f",
+        "http://a:port",  # not a URL that httpx can call
+        "http://a:70000",
+    ],
 )
 def test_controller_urls_refuses_what_is_not_a_list_of_http_urls(value: str) -> None:
     with pytest.raises(ValueError, match="controller_url must be an http"):
         controller_urls(value)
 
 
-def test_controller_urls_refuses_a_controller_named_twice() -> None:
+@pytest.mark.parametrize(
+    "value",
+    ["http://a:8080,http://a:8080/", "http://a:8080,http://A:8080", "http://a:80,http://a"],
+)
+def test_controller_urls_refuses_a_controller_named_twice(value: str) -> None:
     with pytest.raises(ValueError, match="twice"):
-        controller_urls("http://a:8080,http://a:8080/")
+        controller_urls(value)
 
 
 class _Controllers:
@@ -163,3 +189,63 @@ def test_the_snapshot_fence_asks_the_next_controller() -> None:
 
     counter = ControllerCounter(f"{A},{B}", 7, "w", transport=httpx.MockTransport(handle))
     assert counter.take() == 3
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """A forward proxy that answers every request itself and records its target."""
+
+    seen: list[str]
+
+    def _answer(self) -> None:
+        self.seen.append(f"{self.command} {self.path}")
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path.endswith("/register"):
+            body = {"node_id": 1, "heartbeat_interval_s": 1.0, "node_token": "rln_n"}
+        else:
+            body = {"version": 0}
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The requests that reach the proxy named in ``HTTP_PROXY``."""
+    seen: list[str] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("P", (_Proxy,), {"seen": seen}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        yield seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_client_of_one_controller_keeps_the_proxy_its_environment_names(
+    proxy: list[str],
+) -> None:
+    """As before several controllers could be named: a node behind a forward proxy."""
+    with ControllerClient("http://controller.invalid:8080", "e", attempts=1) as client:
+        client.register(NodeRegister(name="n", address="x", slots=1, pid=1))
+    rendezvous = ControllerRendezvous("http://controller.invalid:8080", "r1", "t", retry_s=0)
+    try:
+        rendezvous.call("GET", "/state", None, RendezvousState)
+    finally:
+        rendezvous.close()
+    assert proxy == [
+        "POST http://controller.invalid:8080/api/v1/nodes/register",
+        "GET http://controller.invalid:8080/api/v1/rendezvous/r1/state",
+    ]
