@@ -42,6 +42,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
+from service.heartbeats import Answers
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.schemas import Problem
@@ -125,6 +126,7 @@ def create_app(
     app.state.clock = clock
     app.state.engine = engine
     app.state.metrics = controller_metrics
+    app.state.answers = Answers()
     app.include_router(health.router)
     app.include_router(metrics.router)
     for router in (

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import auth
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
+from service.heartbeats import Answers
 from service.metrics import ControllerMetrics
 from service.models import Node, Role, User
 from service.secrets import Keyring
@@ -59,6 +60,12 @@ def get_metrics(request: Request) -> ControllerMetrics:
     return metrics
 
 
+def get_answers(request: Request) -> Answers:
+    """The heartbeat answers this controller has rendered (``service.heartbeats``)."""
+    answers: Answers = request.app.state.answers
+    return answers
+
+
 def get_session_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     return factory
@@ -77,6 +84,7 @@ FactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 ReadFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_factory)]
 MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
+AnswersDep = Annotated[Answers, Depends(get_answers)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1
