@@ -82,10 +82,10 @@ def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
         reconciler.run_once()
     detail = job(api, job_id)
     assert detail["state"] == "PENDING"
-    assert detail["message"] == "waiting for nodes: needs 3, 2 are free"
+    assert detail["message"] == "waiting for nodes: needs 3, too few nodes are alive"
     events = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
     assert [(e["kind"], e["message"]) for e in events][1:] == [
-        ("waiting", "waiting for nodes: needs 3, 2 are free")
+        ("waiting", "waiting for nodes: needs 3, too few nodes are alive")
     ]
     c = register(api, "c")
     reconciler.run_once()
@@ -96,7 +96,7 @@ def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
     assert assignment["job_id"] == job_id
 
 
-def test_a_waiting_job_says_how_many_nodes_it_still_lacks(
+def test_a_waiting_job_says_what_it_still_lacks(
     api: TestClient, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     a, _ = register(api, "a"), register(api, "b")
@@ -109,7 +109,7 @@ def test_a_waiting_job_says_how_many_nodes_it_still_lacks(
         reconciler.run_once()
     detail = job(api, job_id)
     assert detail["state"] == "WAITING"
-    assert detail["message"] == "waiting for nodes: needs 2, 1 is free"
+    assert detail["message"] == "waiting for nodes: needs 2, too few nodes are alive"
     assert kinds(api, job_id)[-2:] == ["waiting_for_nodes", "waiting"]
 
 
