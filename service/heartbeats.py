@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ScalarSelect, func, select, update
+from sqlalchemy import ScalarSelect, bindparam, func, select, update
 from sqlalchemy.orm import Session, aliased
 
 from contract.protocol import Assignment, Heartbeat
@@ -78,18 +78,13 @@ def record(session: Session, node_id: int, token: str, body: Heartbeat, now: dat
     token, in one UPDATE; False (nothing written) otherwise."""
     if not token.startswith(auth.NODE_TOKEN_PREFIX):
         return False
-    stmt = (
-        update(Node)
-        .where(
-            Node.id == node_id,
-            Node.token_hash == auth.token_hash(token),
-            Node.state == NodeState.ALIVE,
-        )
-        .values(last_heartbeat_at=now, gpu_usage=[u.model_dump() for u in body.gpus])
-        .returning(Node.id)
-        .execution_options(synchronize_session=False)
-    )
-    return session.execute(stmt).first() is not None
+    params = {
+        "node_id": node_id,
+        "node_token_hash": auth.token_hash(token),
+        "seen_at": now,
+        "usage": [u.model_dump() for u in body.gpus],
+    }
+    return session.execute(_RECORD, params).first() is not None
 
 
 def answer(
@@ -134,29 +129,6 @@ def answer(
 
 def memberships(session: Session, node_id: int) -> list[Membership]:
     """The node's ACTIVE memberships of RUNNING attempts as stored, by id: one SELECT."""
-    stmt = (
-        select(
-            AttemptMember.id,
-            AttemptMember.attempt_id,
-            Attempt.job_id,
-            Attempt.number,
-            Attempt.rdzv_id,
-            Attempt.device,
-            AttemptMember.gpus,
-            Job.restart_count,
-            _members_of_attempt(MemberState.LEFT),
-            _members_of_attempt(MemberState.ACTIVE),
-            _members_of_attempt(None),
-        )
-        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
-        .join(Job, Job.id == Attempt.job_id)
-        .where(
-            AttemptMember.node_id == node_id,
-            AttemptMember.state == MemberState.ACTIVE,
-            Attempt.state == AttemptState.RUNNING,
-        )
-        .order_by(AttemptMember.id)
-    )
     return [
         Membership(
             member_id=member_id,
@@ -183,7 +155,7 @@ def memberships(session: Session, node_id: int) -> list[Membership]:
             left,
             active,
             total,
-        ) in session.execute(stmt)
+        ) in session.execute(_MEMBERSHIPS, {"node_id": node_id})
     ]
 
 
@@ -194,3 +166,43 @@ def _members_of_attempt(state: MemberState | None) -> ScalarSelect[int]:
     if state is not None:
         stmt = stmt.where(other.state == state)
     return stmt.correlate(Attempt).scalar_subquery()
+
+
+# Built once: building a statement costs more than running it.
+_RECORD = (
+    update(Node)
+    .where(
+        Node.id == bindparam("node_id"),
+        Node.token_hash == bindparam("node_token_hash"),
+        Node.state == NodeState.ALIVE,
+    )
+    .values(
+        last_heartbeat_at=bindparam("seen_at", type_=Node.__table__.c.last_heartbeat_at.type),
+        gpu_usage=bindparam("usage", type_=Node.__table__.c.gpu_usage.type),
+    )
+    .returning(Node.id)
+    .execution_options(synchronize_session=False)
+)
+_MEMBERSHIPS = (
+    select(
+        AttemptMember.id,
+        AttemptMember.attempt_id,
+        Attempt.job_id,
+        Attempt.number,
+        Attempt.rdzv_id,
+        Attempt.device,
+        AttemptMember.gpus,
+        Job.restart_count,
+        _members_of_attempt(MemberState.LEFT),
+        _members_of_attempt(MemberState.ACTIVE),
+        _members_of_attempt(None),
+    )
+    .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+    .join(Job, Job.id == Attempt.job_id)
+    .where(
+        AttemptMember.node_id == bindparam("node_id"),
+        AttemptMember.state == MemberState.ACTIVE,
+        Attempt.state == AttemptState.RUNNING,
+    )
+    .order_by(AttemptMember.id)
+)

@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, case, exists, func, select
 from sqlalchemy.orm import Session
 
 from contract.protocol import Heartbeat, NodeRegister
@@ -174,6 +174,18 @@ def list_nodes(
     for node_id, gpus, attempt in session.execute(stmt).all():
         serving[node_id].append(Serving(attempt, tuple(gpus or ())))
     return [(node, serving.get(node.id, [])) for node in nodes], total
+
+
+def alive_and_idle(session: Session) -> tuple[int, int]:
+    """How many nodes are ALIVE, and how many of those no ACTIVE membership holds."""
+    held = exists().where(
+        AttemptMember.node_id == Node.id, AttemptMember.state == MemberState.ACTIVE
+    )
+    stmt = select(func.count(), func.coalesce(func.sum(case((held, 0), else_=1)), 0)).where(
+        Node.state == NodeState.ALIVE
+    )
+    alive, idle = session.execute(stmt).one()
+    return int(alive), int(idle)
 
 
 def zygote_memory(session: Session, serving: list[tuple[int, int]]) -> dict[tuple[int, int], int]:

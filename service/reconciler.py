@@ -163,7 +163,7 @@ def _waiting_reason(job: JobView, alive: int, big_enough: int) -> str:
         if job.spec.nproc_per_node > 1:
             return f"waiting for nodes: {needs}, too few alive nodes have that many slots"
         return f"waiting for nodes: {needs}, too few nodes are alive"
-    return f"waiting for nodes: {needs}, too few are free: other jobs hold the others"
+    return f"waiting for nodes: {needs}, too few are free; other jobs hold the rest"
 
 
 def plan(

@@ -166,8 +166,9 @@ def test_a_cpu_job_and_a_cuda_job_never_share_a_node(api: Cluster, reconciler: R
     assert job(api, cuda)["state"] == "RUNNING"
     assert (job(api, cpu)["state"], job(api, cpu)["message"]) == (
         "PENDING",
-        "waiting for nodes: needs 1, too few are free: other jobs hold the others",
+        "waiting for nodes: needs 1, too few are free; other jobs hold the rest",
     )
+    assert job(api, cpu)["nodes_now"] == {"alive": 1, "idle": 0}
 
 
 def test_a_cuda_job_grows_onto_a_new_gpu_node_on_cuda(api: Cluster, reconciler: Reconciler) -> None:

@@ -83,6 +83,7 @@ def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
     detail = job(api, job_id)
     assert detail["state"] == "PENDING"
     assert detail["message"] == "waiting for nodes: needs 3, too few nodes are alive"
+    assert detail["nodes_now"] == {"alive": 2, "idle": 2}  # counted as it is read
     events = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
     assert [(e["kind"], e["message"]) for e in events][1:] == [
         ("waiting", "waiting for nodes: needs 3, too few nodes are alive")
@@ -90,7 +91,7 @@ def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
     c = register(api, "c")
     reconciler.run_once()
     detail = job(api, job_id)
-    assert (detail["state"], detail["message"]) == ("RUNNING", "")
+    assert (detail["state"], detail["message"], detail["nodes_now"]) == ("RUNNING", "", None)
     assert kinds(api, job_id) == ["submitted", "waiting", "placed"]
     [assignment] = heartbeat(api, c)
     assert assignment["job_id"] == job_id
@@ -110,6 +111,7 @@ def test_a_waiting_job_says_what_it_still_lacks(
     detail = job(api, job_id)
     assert detail["state"] == "WAITING"
     assert detail["message"] == "waiting for nodes: needs 2, too few nodes are alive"
+    assert detail["nodes_now"] == {"alive": 1, "idle": 1}
     assert kinds(api, job_id)[-2:] == ["waiting_for_nodes", "waiting"]
 
 

@@ -22,7 +22,7 @@ from service.states import JobState, NodeState
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TIMEOUT = timedelta(seconds=10)
 ONE_OF_TWO = "waiting for nodes: needs 2, too few nodes are alive"
-FREE3 = "waiting for nodes: needs 3, too few are free: other jobs hold the others"
+FREE3 = "waiting for nodes: needs 3, too few are free; other jobs hold the rest"
 
 
 def node(
@@ -85,7 +85,7 @@ def test_busy_nodes_are_not_placed_twice() -> None:
         ExplainWait(
             2,
             JobState.PENDING,
-            "waiting for nodes: needs 2, too few are free: other jobs hold the others",
+            "waiting for nodes: needs 2, too few are free; other jobs hold the rest",
         )
     ]
 
@@ -210,7 +210,7 @@ def test_the_reason_tells_busy_nodes_from_missing_ones() -> None:
     nodes = [node(1), node(2), node(3)]
     jobs = [job(1, (2, 2), JobState.RUNNING, members=(1, 2)), job(2, (3, 3), created=1.0)]
     assert explained(T0, nodes, jobs) == {
-        2: "waiting for nodes: needs 3, too few are free: other jobs hold the others"
+        2: "waiting for nodes: needs 3, too few are free; other jobs hold the rest"
     }
 
 
@@ -223,7 +223,7 @@ def test_nodes_an_older_job_takes_in_the_same_pass_count_as_busy() -> None:
         ExplainWait(
             2,
             JobState.PENDING,
-            "waiting for nodes: needs 2, too few are free: other jobs hold the others",
+            "waiting for nodes: needs 2, too few are free; other jobs hold the rest",
         ),
     ]
 

@@ -209,7 +209,7 @@ def test_a_cpu_job_does_not_land_on_a_node_a_cuda_job_holds() -> None:
     nodes = [node(1, gpus=4)]
     jobs = [running(1, {1: (0,)}), pending(2, device="cpu")]
     assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
-        2: "waiting for nodes: needs 1, too few are free: other jobs hold the others"
+        2: "waiting for nodes: needs 1, too few are free; other jobs hold the rest"
     }
     # The node is free again once the CUDA job is gone.
     assert placements(plan(T0, nodes, jobs[1:], TIMEOUT)) == {2: ("cpu", {1: ()})}
@@ -328,5 +328,5 @@ def test_ended_attempts_members_still_active_hold_their_gpus_and_nodes() -> None
     whole = Hold(owner=7, device="cpu")
     cpu_held = [NodeView(1, NodeState.ALIVE, T0, 8, (), (whole,))]
     assert reasons(plan(T0, cpu_held, [pending(4, device="cpu")], TIMEOUT)) == {
-        4: "waiting for nodes: needs 1, too few are free: other jobs hold the others"
+        4: "waiting for nodes: needs 1, too few are free; other jobs hold the rest"
     }

@@ -34,7 +34,7 @@ def passes(
 @pytest.mark.parametrize(
     ("gpus", "why"),
     [
-        (0, "waiting for nodes: needs 1, too few are free: other jobs hold the others"),
+        (0, "waiting for nodes: needs 1, too few are free; other jobs hold the rest"),
         (
             1,
             "waiting for GPUs: needs 1 node with 1 free GPU; "
