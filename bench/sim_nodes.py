@@ -6,7 +6,7 @@ attempts it runs, starts the attempts it is assigned and stops those no longer a
 and reports on them: the rendezvous of every node; from the node of group rank 0 the
 training's start, its progress (with a log line) every few steps, one snapshot and its
 finish; then every node's exit, ``succeeded``. A 409 on a report ends that run, as it
-ends an agent's. Hundreds of them share one event loop and one HTTP client.
+ends an agent's. Hundreds of them share one event loop; each has its HTTP client.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -182,13 +184,6 @@ def drop_member(
         )
 
 
-def membership_generation(attempt: Attempt) -> int:
-    """How many memberships of the running ``attempt`` have ended as LEFT: the members it
-    lost. It only grows while the attempt runs (a member that comes back gets a new row),
-    so a node that sees it move knows that a member its workers may wait on is gone."""
-    return sum(1 for m in attempt.members if m.state is MemberState.LEFT)
-
-
 def entrypoint_for(spec: JobSpec) -> Entrypoint:
     if spec.task is not None:
         info = TASKS[spec.task.name]
@@ -197,53 +192,71 @@ def entrypoint_for(spec: JobSpec) -> Entrypoint:
     return Entrypoint(module=spec.script.module, script=spec.script.path, args=spec.script.args)
 
 
+@dataclass(frozen=True)
+class Membership:
+    """A node's ACTIVE membership of a RUNNING attempt as stored: every value its
+    ``Assignment`` depends on besides the job's spec (which never changes after submit)
+    and the worker token. Two equal ones give equal assignments."""
+
+    member_id: int
+    attempt_id: int
+    job_id: int
+    attempt_number: int
+    rdzv_id: str
+    device: str | None
+    gpus: tuple[int, ...]
+    restart_count: int
+    # How many memberships of the attempt have ended as LEFT: the members it lost. It only
+    # grows while the attempt runs (a member that comes back gets a new row), so a node
+    # that sees it move knows that a member its workers may wait on is gone.
+    generation: int
+    active_members: int
+    memberships: int
+
+
 def assignment_for(
-    attempt: Attempt,
-    job: Job,
+    held: Membership,
+    spec: JobSpec,
+    stored_spec: dict[str, Any],
     settings: ControllerSettings,
     keyring: Keyring,
-    worker_token: str | None = None,
-    member_id: int | None = None,
-    gpus: Sequence[int] = (),
 ) -> Assignment:
-    """What a member node runs for ``attempt``: the job's env in the clear (only nodes
-    are sent it), and, the first time, the worker token of its membership (``member_id``).
-    It carries the attempt's membership generation, so the members re-form at once
-    when one of them is dropped, and its device with the GPUs (``gpus``) the node's
-    membership holds."""
-    spec = job.job_spec
+    """What a member node runs for ``held``: ``spec`` (the job's, parsed) with the env of
+    its ``stored_spec`` (``Job.spec``) in the clear (only nodes are sent it), the
+    attempt's membership generation, so the members re-form at once when one of them is
+    dropped, and its device with the GPUs the node's membership holds. No worker token:
+    the heartbeat adds one to an assignment the node does not run yet."""
     hang_timeout_s, hang_adaptive = spec.hang_timeout()
     return Assignment(
-        attempt_id=attempt.id,
-        job_id=job.id,
-        attempt_number=attempt.number,
+        attempt_id=held.attempt_id,
+        job_id=held.job_id,
+        attempt_number=held.attempt_number,
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
-        restart=spec.restart_policy(restarts_before=job.restart_count),
+        restart=spec.restart_policy(restarts_before=held.restart_count),
         hang_timeout_s=hang_timeout_s,
         hang_timeout_adaptive=hang_adaptive,
         collective_timeout_s=spec.collective_timeout_s,
         rendezvous=RendezvousConfig(
-            rdzv_id=attempt.rdzv_id,
+            rdzv_id=held.rdzv_id,
             last_call_timeout_s=settings.rdzv_last_call_timeout_s,
             join_timeout_s=settings.rdzv_join_timeout_s,
             keep_alive_interval_s=settings.rdzv_keep_alive_interval_s,
             keep_alive_max_attempt=settings.rdzv_keep_alive_max_attempt,
         ),
         entrypoint=entrypoint_for(spec),
-        env=open_env(keyring, job.spec),
-        snapshot_dir=snapshot_dir_for(settings, job.id),
+        env=open_env(keyring, stored_spec),
+        snapshot_dir=snapshot_dir_for(settings, held.job_id),
         working_dir=spec.working_dir,
         snapshot_every_steps=spec.snapshot.every_steps,
         snapshot_every_epochs=spec.snapshot.every_epochs,
         snapshot_keep=spec.snapshot.keep,
         snapshot_async=spec.snapshot.background,
-        worker_token=worker_token,
-        member_id=member_id,
-        membership_generation=membership_generation(attempt),
-        active_members=sum(1 for m in attempt.members if m.state is MemberState.ACTIVE),
-        memberships=len(attempt.members),
-        device=stored_device(attempt.device),
-        gpus=list(gpus),
+        member_id=held.member_id,
+        membership_generation=held.generation,
+        active_members=held.active_members,
+        memberships=held.memberships,
+        device=stored_device(held.device),
+        gpus=list(held.gpus),
     )

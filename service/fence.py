@@ -26,10 +26,16 @@ logger = logging.getLogger(__name__)
 WORKER_TOKEN_PREFIX = "rlw_"
 
 
-def issue_worker_token(member: AttemptMember) -> str:
-    """A new secret for the membership's workers; it replaces the one issued before."""
+def issue_worker_token(session: Session, member_id: int) -> str:
+    """A new secret for the workers of membership ``member_id``; it replaces the one
+    issued before."""
     token = auth.new_token(WORKER_TOKEN_PREFIX)
-    member.worker_token_hash = auth.token_hash(token)
+    session.execute(
+        update(AttemptMember)
+        .where(AttemptMember.id == member_id)
+        .values(worker_token_hash=auth.token_hash(token))
+        .execution_options(synchronize_session=False)
+    )
     return token
 
 

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.interfaces import ORMOption
 
-from service import anatomy, fence
+from service import anatomy, fence, nodes
 from service.attempts import end_attempt, running_attempt
 from service.errors import IdempotencyMismatch, LimitReached, NotFound, StaleState
 from service.job_events import add_event, add_events_alike
@@ -251,14 +251,17 @@ def _page_version(everyone: bool, one_state: bool) -> tuple[Select[Any], Select[
 
 def job_version(session: Session, job_id: int, viewer: User) -> tuple[Any, ...]:
     """Every stored value that job ``job_id``'s detail shows (but its spec), read in two
-    statements: equal versions give equal details. Raises ``NotFound`` as ``job_for`` does,
+    statements, and for a job that waits for nodes the node counts it shows, in a third:
+    equal versions give equal details. Raises ``NotFound`` as ``job_for`` does,
     for a job the viewer may not see as for one that does not exist."""
     connection = session.connection()
     row = connection.execute(_JOB_VERSION, {"job_id": job_id}).one_or_none()
     if row is None or (viewer.role is not Role.ADMIN and row.owner_id != viewer.id):
         raise NotFound(f"job {job_id} does not exist")
     attempts = connection.execute(_ATTEMPTS_VERSION, {"job_id": job_id}).all()
-    return tuple(row), tuple(tuple(a) for a in attempts)
+    # A job that waits for nodes shows the alive and idle nodes as they are now.
+    now = nodes.alive_and_idle(session) if JobState(row.state).is_placeable() else None
+    return tuple(row), tuple(tuple(a) for a in attempts), now
 
 
 def jobs_version(

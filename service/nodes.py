@@ -8,17 +8,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, case, exists, func, select
 from sqlalchemy.orm import Session
 
-from contract.protocol import Assignment, Heartbeat, HeartbeatReply, NodeRegister
+from contract.protocol import Heartbeat, NodeRegister
 from service import auth
-from service.attempts import assignment_for, drop_member, end_member
+from service.attempts import drop_member, end_member
 from service.errors import Conflict, NotFound, StaleState
-from service.fence import issue_worker_token
 from service.models import Attempt, AttemptMember, JobEvent, Node
-from service.secrets import Keyring
-from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
 from service.transitions import transition
 
@@ -133,17 +130,10 @@ def get_node(session: Session, node_id: int, *, for_update: bool = False) -> Nod
     return node
 
 
-def heartbeat(
-    session: Session,
-    node_id: int,
-    body: Heartbeat,
-    settings: ControllerSettings,
-    now: datetime,
-    keyring: Keyring,
-) -> HeartbeatReply:
-    """Record that the node lives (a LOST or LEFT node is ALIVE again) and how its GPUs are
-    used, in one UPDATE, and answer with everything it must run now, env values decrypted
-    with ``keyring``."""
+def record_heartbeat(session: Session, node_id: int, body: Heartbeat, now: datetime) -> None:
+    """Record that the node lives (a LOST or LEFT node is ALIVE again) and how its GPUs
+    are used: the way for any node, where ``service.heartbeats.record`` is the short
+    way for an ALIVE one."""
     node = get_node(session, node_id, for_update=True)
     usage = [u.model_dump() for u in body.gpus]
     if node.state is not NodeState.ALIVE:
@@ -152,32 +142,6 @@ def heartbeat(
         logger.info("node=%s name=%s is back", node.id, node.name)
     else:
         node.last_heartbeat_at, node.gpu_usage = now, usage
-    running = {r.attempt_id for r in body.running}
-    return HeartbeatReply(assignments=assignments_for(session, node_id, settings, keyring, running))
-
-
-def assignments_for(
-    session: Session,
-    node_id: int,
-    settings: ControllerSettings,
-    keyring: Keyring,
-    running: set[int],
-) -> list[Assignment]:
-    """Every assignment of the node. One it does not run yet carries a new worker token
-    (``service.fence``): the node starts it with the token of the reply it acts on, and
-    one it runs keeps the token its workers hold."""
-    return [
-        assignment_for(
-            m.attempt,
-            m.attempt.job,
-            settings,
-            keyring,
-            None if m.attempt_id in running else issue_worker_token(m),
-            member_id=m.id,
-            gpus=m.gpus,
-        )
-        for m in memberships(session, node_id)
-    ]
 
 
 @dataclass(frozen=True)
@@ -210,6 +174,18 @@ def list_nodes(
     for node_id, gpus, attempt in session.execute(stmt).all():
         serving[node_id].append(Serving(attempt, tuple(gpus or ())))
     return [(node, serving.get(node.id, [])) for node in nodes], total
+
+
+def alive_and_idle(session: Session) -> tuple[int, int]:
+    """How many nodes are ALIVE, and how many of those no ACTIVE membership holds."""
+    held = exists().where(
+        AttemptMember.node_id == Node.id, AttemptMember.state == MemberState.ACTIVE
+    )
+    stmt = select(func.count(), func.coalesce(func.sum(case((held, 0), else_=1)), 0)).where(
+        Node.state == NodeState.ALIVE
+    )
+    alive, idle = session.execute(stmt).one()
+    return int(alive), int(idle)
 
 
 def zygote_memory(session: Session, serving: list[tuple[int, int]]) -> dict[tuple[int, int], int]:

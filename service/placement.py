@@ -72,29 +72,24 @@ def resolve_device(wanted: str, gpus_enough: bool) -> Device:
     return stored_device(wanted)
 
 
-def gpu_waiting_reason(
-    min_nodes: int, per_node: int, fitting: int, with_gpus: int, most_free: int
-) -> str:
-    """Why a job placed on GPUs is not placed: ``fitting`` alive nodes have ``per_node``
-    GPUs free, ``with_gpus`` alive nodes have any, the most free on one is ``most_free``.
+def gpu_waiting_reason(min_nodes: int, per_node: int, any_gpus: bool, gpus_exist: bool) -> str:
+    """Why a job placed on GPUs is not placed: no alive node has GPUs (``any_gpus``
+    false), fewer than ``min_nodes`` alive nodes have ``per_node`` GPUs at all
+    (``gpus_exist`` false), or too few have that many free.
 
-    Like the reason for nodes (``service.reconciler``), the text depends only on these counts."""
+    Like the reason for nodes (``service.reconciler``), it names no count of nodes or
+    GPUs, so it changes only when the job moves from one case to another."""
     gpus = "GPU" if per_node == 1 else "GPUs"
     needs = f"needs {min_nodes} {'node' if min_nodes == 1 else 'nodes'} with {per_node} free {gpus}"
     if min_nodes > 1:
         needs += " each"
-    if with_gpus == 0:
+    if not any_gpus:
         return f"waiting for GPUs: {needs}; no alive node has GPUs"
-    have = f"{with_gpus} alive {'node has' if with_gpus == 1 else 'nodes have'} GPUs"
-    if fitting == 0:
-        return (
-            f"waiting for GPUs: {needs}; no node has {per_node} free {gpus} "
-            f"({have}, the most free on one is {most_free})"
-        )
-    return (
-        f"waiting for GPUs: {needs}; only {fitting} {'node has' if fitting == 1 else 'nodes have'} "
-        f"{per_node} free {gpus} ({have})"
-    )
+    which = "no alive node has" if min_nodes == 1 else "too few alive nodes have"
+    if not gpus_exist:
+        return f"waiting for GPUs: {needs}; {which} {per_node} {gpus}"
+    which = "no node has" if min_nodes == 1 else "too few nodes have"
+    return f"waiting for GPUs: {needs}; {which} {per_node} free {gpus}: other jobs hold them"
 
 
 class BySlots:
@@ -161,7 +156,6 @@ class Room:
             if n.gpus and n.id not in whole
         }
         self._by_count: dict[tuple[int, Owner], list[Fit]] = {}
-        self._most_free: dict[Owner, int] = {}
 
     def _free_for(self, owner: Owner) -> dict[int, list[int]]:
         """The free GPUs, by node, of the nodes an attempt of ``owner`` on "cuda" may share."""
@@ -186,14 +180,6 @@ class Room:
             fits.sort(key=lambda fit: (len(fit[1]), fit[0]))
             self._by_count[key] = [(i, tuple(free[:per_node])) for i, free in fits]
         return self._by_count[key]
-
-    def most_free(self, owner: Owner = None) -> int:
-        """The most GPUs free on one node that may take an attempt of ``owner`` on "cuda"."""
-        key = None if self._share else owner
-        if key not in self._most_free:
-            free_for = self._free_for(owner)
-            self._most_free[key] = max((len(free) for free in free_for.values()), default=0)
-        return self._most_free[key]
 
     def taking(
         self,

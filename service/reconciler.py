@@ -147,25 +147,23 @@ class ExplainWait:
 Action = MarkNodeLost | PlaceJob | AddMembers | WaitForNodes | GiveUpWaiting | ExplainWait
 
 
-def _waiting_reason(job: JobView, free: int, busy: int, too_small: int) -> str:
-    """Why ``job`` is not placed: ``free`` alive nodes it fits are idle, ``busy`` more
-    serve other jobs, ``too_small`` alive nodes have fewer slots than it needs.
+def _waiting_reason(job: JobView, alive: int, big_enough: int) -> str:
+    """Why ``job`` is not placed, given ``alive`` nodes of which ``big_enough`` have the
+    slots it needs: no node is alive, too few have its slots, or too few of those are free.
 
-    The text depends only on these counts, so it changes only when the cluster does.
-    """
+    It names what the job needs, never how many nodes are free or busy: the text changes
+    only when the job moves from one case to another, not whenever a node is taken or
+    freed, so a deep queue is not rewritten at every change of the cluster."""
     needs = f"needs {job.spec.min_nodes}"
     if job.spec.nproc_per_node > 1:
         needs += f" with {job.spec.nproc_per_node} slots each"
-    if free + busy + too_small == 0:
+    if alive == 0:
         return f"waiting for nodes: {needs}, no node is alive"
-    counts = [f"{free} {'is' if free == 1 else 'are'} free"]
-    if busy:
-        counts.append(f"{busy} {'is' if busy == 1 else 'are'} busy with other jobs")
-    reason = f"waiting for nodes: {needs}, {' and '.join(counts)}"
-    if too_small:
-        nodes = "node has" if too_small == 1 else "nodes have"
-        reason += f"; {too_small} more alive {nodes} fewer than {job.spec.nproc_per_node} slots"
-    return reason
+    if big_enough < job.spec.min_nodes:
+        if job.spec.nproc_per_node > 1:
+            return f"waiting for nodes: {needs}, too few alive nodes have that many slots"
+        return f"waiting for nodes: {needs}, too few nodes are alive"
+    return f"waiting for nodes: {needs}, too few are free; other jobs hold the rest"
 
 
 def plan(
@@ -185,8 +183,8 @@ def plan(
     - PENDING and WAITING jobs, oldest first, are placed once at least MIN
       fitting nodes are free (a WAITING job not before its back-off ends);
       they get up to MAX. One that cannot be placed gets an ``ExplainWait``
-      when the reason (free, busy and too small nodes; or free GPUs) differs
-      from its message.
+      when the reason (no node is alive, too few have its slots or GPUs, or too
+      few of those are free; never a count) differs from its message.
     - Then running jobs below MAX take free fitting nodes (scale up), a node
       that left that attempt and is back included: it joins again in place
       with a new membership, which its agent runs afresh.
@@ -265,22 +263,25 @@ def plan(
             actions.append(PlaceJob(job.id, chosen, device, gpus))
             room = room.taking(device, chosen, gpus, job.owner)
             continue
-        # Nodes placed for an older job in this pass count as busy: they are, next pass.
         asked: tuple[object, ...]
         if device == "cuda":
-            # The GPUs of a node another owner's job is on are not free for this one.
-            most_free = room.most_free(job.owner)
-            asked = (device, job.spec.min_nodes, per_node, len(fitting), with_gpus, most_free)
+            gpus_exist = gpu_nodes.enough(job.spec.min_nodes, per_node)
+            asked = (device, job.spec.min_nodes, per_node, with_gpus > 0, gpus_exist)
             if asked not in reasons:
                 reasons[asked] = gpu_waiting_reason(
-                    job.spec.min_nodes, per_node, len(fitting), with_gpus, most_free
+                    job.spec.min_nodes, per_node, with_gpus > 0, gpus_exist
                 )
         else:
             big_enough = len(big_enough_for.ids(per_node))
-            counts = (len(fitting), big_enough - len(fitting), len(alive) - big_enough)
-            asked = (device, job.spec.min_nodes, per_node, *counts)
+            asked = (
+                device,
+                job.spec.min_nodes,
+                per_node,
+                len(alive) > 0,
+                big_enough >= job.spec.min_nodes,
+            )
             if asked not in reasons:
-                reasons[asked] = _waiting_reason(job, *counts)
+                reasons[asked] = _waiting_reason(job, len(alive), big_enough)
         reason = reasons[asked]
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))

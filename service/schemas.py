@@ -91,6 +91,17 @@ class JobPublic(BaseModel):
     )
 
 
+class NodesNow(BaseModel):
+    """The nodes as the job is read: its message says which case keeps it waiting but
+    names no count (so that it is not rewritten whenever the counts move)."""
+
+    alive: int = Field(description="ALIVE nodes")
+    idle: int = Field(
+        description="ALIVE nodes that no attempt holds (a node with GPUs that an attempt "
+        "holds some of is not idle)"
+    )
+
+
 class JobDetail(JobPublic):
     device: Device | None = Field(
         default=None,
@@ -98,6 +109,9 @@ class JobDetail(JobPublic):
         "None before the first",
     )
     attempts: list[AttemptPublic]
+    nodes_now: NodesNow | None = Field(
+        default=None, description="While the job is PENDING or WAITING: the nodes now"
+    )
 
 
 class JobsPublic(BaseModel):

@@ -43,6 +43,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
+from service.heartbeats import Answers
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.schemas import Problem
@@ -128,6 +129,7 @@ def create_app(
     app.state.answers = AnswerCache()
     app.state.engine = engine
     app.state.metrics = controller_metrics
+    app.state.heartbeat_answers = Answers()
     app.include_router(health.router)
     app.include_router(metrics.router)
     for router in (

@@ -15,6 +15,7 @@ from service import auth
 from service.api.answers import AnswerCache
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
+from service.heartbeats import Answers
 from service.metrics import ControllerMetrics
 from service.models import Node, Role, User
 from service.secrets import Keyring
@@ -73,6 +74,12 @@ async def get_answers(request: Request) -> AnswerCache:
     return cache
 
 
+async def get_heartbeat_answers(request: Request) -> Answers:
+    """The heartbeat answers this controller has rendered (``service.heartbeats``)."""
+    answers: Answers = request.app.state.heartbeat_answers
+    return answers
+
+
 async def get_session_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     return factory
@@ -93,6 +100,7 @@ ReadFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_factory)]
 MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
 CredentialsDep = Annotated[auth.CredentialCache, Depends(get_credentials)]
 AnswersDep = Annotated[AnswerCache, Depends(get_answers)]
+HeartbeatAnswersDep = Annotated[Answers, Depends(get_heartbeat_answers)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response, status
 from sqlalchemy.orm import Session
 
-from service import jobs
+from service import jobs, nodes
 from service.anatomy import Recovery
 from service.api.deps import (
     MAX_ID,
@@ -41,6 +41,7 @@ from service.schemas import (
     MemberPublic,
     MetricPublic,
     MetricsPublic,
+    NodesNow,
     PhasePublic,
     RecoveriesPublic,
     RecoveryPublic,
@@ -211,8 +212,15 @@ def job_detail(session: Session, job_id: int, user: User) -> str:
     saved = jobs.last_snapshot_times(session, [job.id]).get(job.id)
     step_time = jobs.last_step_times(session, [job.id]).get(job.id)
     device = attempts[-1].device if attempts else None
+    nodes_now = None
+    if job.state.is_placeable():
+        alive, idle = nodes.alive_and_idle(session)
+        nodes_now = NodesNow(alive=alive, idle=idle)
     return JobDetail(
-        **job_public(job, saved, step_time).model_dump(), device=device, attempts=attempts
+        **job_public(job, saved, step_time).model_dump(),
+        device=device,
+        attempts=attempts,
+        nodes_now=nodes_now,
     ).model_dump_json()
 
 

@@ -13,7 +13,7 @@ that may itself be waiting for that connection or lock.
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from contract.events import SnapshotSaved
 from contract.protocol import (
@@ -26,19 +26,24 @@ from contract.protocol import (
     NodeRegistered,
     ReportAccepted,
 )
-from service import auth, enrolment, nodes, reports
+from service import auth, enrolment, heartbeats, nodes, reports
 from service.api.deps import (
+    BearerDep,
     EnrolmentDep,
     FactoryDep,
+    HeartbeatAnswersDep,
+    IdPath,
     KeyringDep,
     MetricsDep,
     NodeDep,
     NowDep,
     Offset,
     PageLimit,
+    ReadFactoryDep,
     ReadSessionDep,
     SettingsDep,
     UserDep,
+    get_node,
 )
 from service.db import retry_on_stale, transaction
 from service.models import Node, Role, User
@@ -68,15 +73,30 @@ def register(
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(
-    node: NodeDep,
+    node_id: IdPath,
     body: Heartbeat,
+    credentials: BearerDep,
     factory: FactoryDep,
+    read_factory: ReadFactoryDep,
     settings: SettingsDep,
     keyring: KeyringDep,
+    answers: HeartbeatAnswersDep,
     now: NowDep,
-) -> HeartbeatReply:
+) -> Response:
+    """An ALIVE node's heartbeat with its own token is recorded and answered in one
+    transaction of two statements (``service.heartbeats``); any other call is checked
+    as every node route's is (401, 403) and then recorded the long way (a LOST or LEFT
+    node is ALIVE again). The answer's JSON is made of assignments kept as JSON."""
+    token = credentials.credentials if credentials is not None else None
     with transaction(factory) as session:
-        return nodes.heartbeat(session, node.id, body, settings, now, keyring)
+        if token is not None and heartbeats.record(session, node_id, token, body, now):
+            reply = heartbeats.answer(session, node_id, body, settings, keyring, answers)
+            return Response(reply, media_type="application/json")
+    node = get_node(node_id, read_factory, credentials)
+    with transaction(factory) as session:
+        nodes.record_heartbeat(session, node.id, body, now)
+        reply = heartbeats.answer(session, node.id, body, settings, keyring, answers)
+    return Response(reply, media_type="application/json")
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from service import nodes
+from service import heartbeats
 from service.api.app import create_app
 from service.db import make_engine, make_session_factory, transaction
 from service.models import Node
@@ -110,7 +110,7 @@ def test_a_locked_sqlite_database_is_a_503_to_retry(
             "BEGIN IMMEDIATE", {}, sqlite3.OperationalError("database is locked")
         )
 
-    monkeypatch.setattr(nodes, "heartbeat", locked)
+    monkeypatch.setattr(heartbeats, "record", locked)
     response = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"

@@ -94,8 +94,8 @@ def test_cuda_jobs_run_on_disjoint_gpus_and_the_api_shows_who_holds_which(
     reconciler.run_once()
     assert (job(api, late)["state"], job(api, late)["message"]) == (
         "PENDING",
-        "waiting for GPUs: needs 1 node with 2 free GPUs; no node has 2 free GPUs "
-        "(2 alive nodes have GPUs, the most free on one is 0)",
+        "waiting for GPUs: needs 1 node with 2 free GPUs; "
+        "no node has 2 free GPUs: other jobs hold them",
     )
 
     usage = [{"index": 0, "utilization_pct": 87.5, "memory_used_bytes": 30 * GIB}]
@@ -166,8 +166,9 @@ def test_a_cpu_job_and_a_cuda_job_never_share_a_node(api: Cluster, reconciler: R
     assert job(api, cuda)["state"] == "RUNNING"
     assert (job(api, cpu)["state"], job(api, cpu)["message"]) == (
         "PENDING",
-        "waiting for nodes: needs 1, 0 are free and 1 is busy with other jobs",
+        "waiting for nodes: needs 1, too few are free; other jobs hold the rest",
     )
+    assert job(api, cpu)["nodes_now"] == {"alive": 1, "idle": 0}
 
 
 def test_a_cuda_job_grows_onto_a_new_gpu_node_on_cuda(api: Cluster, reconciler: Reconciler) -> None:
@@ -282,8 +283,8 @@ def test_cuda_jobs_of_two_users_never_share_a_node(
     reconciler.run_once()
     assert (job(api, theirs)["state"], job(api, theirs)["message"]) == (
         "PENDING",
-        "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
-        "(1 alive node has GPUs, the most free on one is 0)",
+        "waiting for GPUs: needs 1 node with 1 free GPU; "
+        "no node has 1 free GPU: other jobs hold them",
     )
     factory = api.app.state.session_factory  # type: ignore[attr-defined]
     with pytest.raises(StaleState), transaction(factory) as session:

@@ -82,21 +82,36 @@ def test_a_job_that_cannot_be_placed_says_why_once_until_it_is_placed(
         reconciler.run_once()
     detail = job(api, job_id)
     assert detail["state"] == "PENDING"
-    assert detail["message"] == "waiting for nodes: needs 3, 2 are free"
+    assert detail["message"] == "waiting for nodes: needs 3, too few nodes are alive"
+    assert detail["nodes_now"] == {"alive": 2, "idle": 2}  # counted as it is read
     events = api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
     assert [(e["kind"], e["message"]) for e in events][1:] == [
-        ("waiting", "waiting for nodes: needs 3, 2 are free")
+        ("waiting", "waiting for nodes: needs 3, too few nodes are alive")
     ]
     c = register(api, "c")
     reconciler.run_once()
     detail = job(api, job_id)
-    assert (detail["state"], detail["message"]) == ("RUNNING", "")
+    assert (detail["state"], detail["message"], detail["nodes_now"]) == ("RUNNING", "", None)
     assert kinds(api, job_id) == ["submitted", "waiting", "placed"]
     [assignment] = heartbeat(api, c)
     assert assignment["job_id"] == job_id
 
 
-def test_a_waiting_job_says_how_many_nodes_it_still_lacks(
+def test_a_waiting_jobs_node_counts_are_read_as_they_are_now_not_kept(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    register(api, "a")
+    job_id = submit(api, "3")
+    reconciler.run_once()
+    first = api.get(f"/api/v1/jobs/{job_id}")
+    assert first.json()["nodes_now"] == {"alive": 1, "idle": 1}
+    register(api, "b")  # nothing of the job changed, but what its detail shows did
+    again = api.get(f"/api/v1/jobs/{job_id}", headers={"if-none-match": first.headers["etag"]})
+    assert again.status_code == 200
+    assert again.json()["nodes_now"] == {"alive": 2, "idle": 2}
+
+
+def test_a_waiting_job_says_what_it_still_lacks(
     api: TestClient, reconciler: Reconciler, clock: FakeClock
 ) -> None:
     a, _ = register(api, "a"), register(api, "b")
@@ -109,7 +124,8 @@ def test_a_waiting_job_says_how_many_nodes_it_still_lacks(
         reconciler.run_once()
     detail = job(api, job_id)
     assert detail["state"] == "WAITING"
-    assert detail["message"] == "waiting for nodes: needs 2, 1 is free"
+    assert detail["message"] == "waiting for nodes: needs 2, too few nodes are alive"
+    assert detail["nodes_now"] == {"alive": 1, "idle": 1}
     assert kinds(api, job_id)[-2:] == ["waiting_for_nodes", "waiting"]
 
 

@@ -114,8 +114,8 @@ def test_jobs_of_one_two_and_four_gpus_on_nodes_of_four_and_two() -> None:
     actions = plan(T0, nodes, jobs, TIMEOUT)
     assert placements(actions) == {1: ("cuda", {2: (0,)}), 2: ("cuda", {1: (0, 1)})}
     assert reasons(actions) == {
-        3: "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
-        "(2 alive nodes have GPUs, the most free on one is 2)"
+        3: "waiting for GPUs: needs 1 node with 4 free GPUs; "
+        "no node has 4 free GPUs: other jobs hold them"
     }
 
 
@@ -135,8 +135,8 @@ def test_a_job_that_fits_no_node_waits_and_says_for_what() -> None:
         pending(4, per_node=4),
     ]
     why = (
-        "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
-        "(2 alive nodes have GPUs, the most free on one is 1)"
+        "waiting for GPUs: needs 1 node with 4 free GPUs; "
+        "no node has 4 free GPUs: other jobs hold them"
     )
     actions = plan(T0, nodes, jobs, TIMEOUT)
     assert actions == [ExplainWait(4, JobState.PENDING, why)]
@@ -151,8 +151,8 @@ def test_gpus_taken_earlier_in_the_same_pass_count_as_taken() -> None:
     actions = plan(T0, nodes, [pending(1, per_node=2), pending(2, per_node=1)], TIMEOUT)
     assert placements(actions) == {1: ("cuda", {1: (0, 1)})}
     assert reasons(actions) == {
-        2: "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
-        "(1 alive node has GPUs, the most free on one is 0)"
+        2: "waiting for GPUs: needs 1 node with 1 free GPU; "
+        "no node has 1 free GPU: other jobs hold them"
     }
 
 
@@ -162,8 +162,7 @@ def test_a_job_on_several_nodes_takes_its_gpus_on_each() -> None:
     assert placements(actions) == {1: ("cuda", {1: (0, 1), 2: (0, 1), 3: (0, 1)})}
     too_few = plan(T0, nodes, [pending(2, per_node=4, nnodes="2", device="cuda")], TIMEOUT)
     assert reasons(too_few) == {
-        2: "waiting for GPUs: needs 2 nodes with 4 free GPUs each; only 1 node has 4 free GPUs "
-        "(3 alive nodes have GPUs)"
+        2: "waiting for GPUs: needs 2 nodes with 4 free GPUs each; too few alive nodes have 4 GPUs"
     }
 
 
@@ -201,8 +200,8 @@ def test_an_auto_job_whose_gpus_are_all_taken_waits_for_gpus_not_for_a_cpu_node(
     nodes = [node(1), node(2, gpus=1)]
     jobs = [running(1, {2: (0,)}), pending(2)]
     assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
-        2: "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
-        "(1 alive node has GPUs, the most free on one is 0)"
+        2: "waiting for GPUs: needs 1 node with 1 free GPU; "
+        "no node has 1 free GPU: other jobs hold them"
     }
 
 
@@ -210,7 +209,7 @@ def test_a_cpu_job_does_not_land_on_a_node_a_cuda_job_holds() -> None:
     nodes = [node(1, gpus=4)]
     jobs = [running(1, {1: (0,)}), pending(2, device="cpu")]
     assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
-        2: "waiting for nodes: needs 1, 0 are free and 1 is busy with other jobs"
+        2: "waiting for nodes: needs 1, too few are free; other jobs hold the rest"
     }
     # The node is free again once the CUDA job is gone.
     assert placements(plan(T0, nodes, jobs[1:], TIMEOUT)) == {2: ("cpu", {1: ()})}
@@ -220,8 +219,8 @@ def test_a_cuda_job_does_not_land_on_a_node_a_cpu_job_holds() -> None:
     nodes = [node(1, gpus=4), node(2, gpus=2)]
     jobs = [running(1, {1: ()}, device="cpu"), pending(2, per_node=3, device="cuda")]
     assert reasons(plan(T0, nodes, jobs, TIMEOUT)) == {
-        2: "waiting for GPUs: needs 1 node with 3 free GPUs; no node has 3 free GPUs "
-        "(2 alive nodes have GPUs, the most free on one is 2)"
+        2: "waiting for GPUs: needs 1 node with 3 free GPUs; "
+        "no node has 3 free GPUs: other jobs hold them"
     }
     assert placements(plan(T0, nodes, [jobs[0], pending(3, per_node=2)], TIMEOUT)) == {
         3: ("cuda", {2: (0, 1)})
@@ -253,10 +252,7 @@ def test_a_deep_queue_waiting_for_gpus_is_told_why_once() -> None:
     """Jobs asking the same get the same reason; once told, a pass decides nothing."""
     nodes = [node(1, gpus=2)]
     queue = [pending(i, per_node=4, device="cuda") for i in range(1, 30)]
-    why = (
-        "waiting for GPUs: needs 1 node with 4 free GPUs; no node has 4 free GPUs "
-        "(1 alive node has GPUs, the most free on one is 2)"
-    )
+    why = "waiting for GPUs: needs 1 node with 4 free GPUs; no alive node has 4 GPUs"
     assert set(reasons(plan(T0, nodes, queue, TIMEOUT)).values()) == {why}
     told = [pending(i, per_node=4, device="cuda", message=why) for i in range(1, 30)]
     assert plan(T0, nodes, told, TIMEOUT) == []
@@ -270,8 +266,8 @@ def test_cuda_jobs_of_different_users_do_not_share_a_node_by_default() -> None:
     actions = plan(T0, nodes, jobs, TIMEOUT)
     assert placements(actions) == {3: ("cuda", {1: (1,)})}
     assert reasons(actions) == {
-        2: "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
-        "(1 alive node has GPUs, the most free on one is 0)"
+        2: "waiting for GPUs: needs 1 node with 1 free GPU; "
+        "no node has 1 free GPU: other jobs hold them"
     }
     shared = plan(T0, nodes, jobs, TIMEOUT, share_gpu_nodes=True)
     assert placements(shared) == {2: ("cuda", {1: (1,)}), 3: ("cuda", {1: (2,)})}
@@ -332,5 +328,5 @@ def test_ended_attempts_members_still_active_hold_their_gpus_and_nodes() -> None
     whole = Hold(owner=7, device="cpu")
     cpu_held = [NodeView(1, NodeState.ALIVE, T0, 8, (), (whole,))]
     assert reasons(plan(T0, cpu_held, [pending(4, device="cpu")], TIMEOUT)) == {
-        4: "waiting for nodes: needs 1, 0 are free and 1 is busy with other jobs"
+        4: "waiting for nodes: needs 1, too few are free; other jobs hold the rest"
     }

@@ -34,11 +34,11 @@ def passes(
 @pytest.mark.parametrize(
     ("gpus", "why"),
     [
-        (0, "waiting for nodes: needs 1, 0 are free and 2 are busy with other jobs"),
+        (0, "waiting for nodes: needs 1, too few are free; other jobs hold the rest"),
         (
             1,
-            "waiting for GPUs: needs 1 node with 1 free GPU; no node has 1 free GPU "
-            "(2 alive nodes have GPUs, the most free on one is 0)",
+            "waiting for GPUs: needs 1 node with 1 free GPU; "
+            "no node has 1 free GPU: other jobs hold them",
         ),
     ],
     ids=["cpu", "cuda"],

@@ -1,0 +1,208 @@
+"""A node's heartbeat: recorded with one UPDATE, answered from one SELECT.
+
+A heartbeat comes from every node every few seconds, so its cost is the fleet's
+times the rate. An ALIVE node's heartbeat, with its own token, is one UPDATE that
+checks the token, records the time and the GPUs' use and returns nothing but the
+id (``record``); anything else (an unknown token, a LOST or LEFT node coming back)
+takes the slow way, ``service.nodes.record_heartbeat`` after the usual checks.
+
+The answer lists the node's assignments (``answer``). One SELECT reads, for each of
+the node's ACTIVE memberships of RUNNING attempts, every stored value that its
+assignment depends on (``Membership``); the job's spec never changes after submit.
+An assignment is rendered (spec parsed, task arguments rendered, env decrypted) once
+per distinct ``Membership`` and kept in ``Answers``: a later heartbeat that reads the
+same values gets the same assignment without rendering it again. The key is what
+this heartbeat's own transaction read, never what this controller did, so
+controllers that share a database stay right: a change that another one makes
+(a member lost, a restart) changes the values read, hence the key.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ScalarSelect, bindparam, func, select, update
+from sqlalchemy.orm import Session, aliased
+
+from contract.protocol import Assignment, Heartbeat
+from service import auth
+from service.attempts import Membership, assignment_for
+from service.fence import issue_worker_token
+from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
+from service.secrets import Keyring
+from service.settings import ControllerSettings
+from service.states import AttemptState, MemberState, NodeState
+
+# Rendered assignments kept per controller: more than a fleet's running memberships.
+ANSWERS_KEPT = 20_000
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """An assignment without a worker token, and its JSON."""
+
+    assignment: Assignment
+    json: bytes
+
+
+class Answers:
+    """Rendered assignments by the ``Membership`` each was rendered from; at most
+    ``size``, the least recently used dropped first. Safe to share between threads."""
+
+    def __init__(self, size: int = ANSWERS_KEPT) -> None:
+        self._size = size
+        self._kept: OrderedDict[Membership, Rendered] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, held: Membership) -> Rendered | None:
+        with self._lock:
+            found = self._kept.get(held)
+            if found is not None:
+                self._kept.move_to_end(held)
+            return found
+
+    def put(self, held: Membership, rendered: Rendered) -> None:
+        with self._lock:
+            self._kept[held] = rendered
+            self._kept.move_to_end(held)
+            while len(self._kept) > self._size:
+                self._kept.popitem(last=False)
+
+
+def record(session: Session, node_id: int, token: str, body: Heartbeat, now: datetime) -> bool:
+    """Record the heartbeat of node ``node_id`` if it is ALIVE and ``token`` is its node
+    token, in one UPDATE; False (nothing written) otherwise."""
+    if not token.startswith(auth.NODE_TOKEN_PREFIX):
+        return False
+    params = {
+        "node_id": node_id,
+        "node_token_hash": auth.token_hash(token),
+        "seen_at": now,
+        "usage": [u.model_dump() for u in body.gpus],
+    }
+    return session.execute(_RECORD, params).first() is not None
+
+
+def answer(
+    session: Session,
+    node_id: int,
+    body: Heartbeat,
+    settings: ControllerSettings,
+    keyring: Keyring,
+    answers: Answers,
+) -> bytes:
+    """The JSON of the ``HeartbeatReply``: every assignment of the node, rendered or taken
+    from ``answers``. One the node does not run yet carries a new worker token
+    (``service.fence``): the node starts it with the token of the reply it acts on, and
+    one it runs keeps the token its workers hold."""
+    held = memberships(session, node_id)
+    rendered: dict[Membership, Rendered] = {}
+    for m in held:
+        kept = answers.get(m)
+        if kept is not None:
+            rendered[m] = kept
+    missing = {m.job_id for m in held if m not in rendered}
+    if missing:
+        stmt = select(Job.id, Job.spec).where(Job.id.in_(missing))
+        specs: dict[int, dict[str, Any]] = {job_id: spec for job_id, spec in session.execute(stmt)}
+        for m in held:
+            if m not in rendered:
+                stored = specs[m.job_id]
+                made = assignment_for(m, parse_stored_spec(stored), stored, settings, keyring)
+                rendered[m] = Rendered(made, made.model_dump_json().encode())
+                answers.put(m, rendered[m])
+    running = {r.attempt_id for r in body.running}
+    parts = []
+    for m in held:
+        if m.attempt_id in running:
+            parts.append(rendered[m].json)
+        else:
+            token = issue_worker_token(session, m.member_id)
+            told = rendered[m].assignment.model_copy(update={"worker_token": token})
+            parts.append(told.model_dump_json().encode())
+    return b'{"assignments":[' + b",".join(parts) + b"]}"
+
+
+def memberships(session: Session, node_id: int) -> list[Membership]:
+    """The node's ACTIVE memberships of RUNNING attempts as stored, by id: one SELECT."""
+    return [
+        Membership(
+            member_id=member_id,
+            attempt_id=attempt_id,
+            job_id=job_id,
+            attempt_number=number,
+            rdzv_id=rdzv_id,
+            device=device,
+            gpus=tuple(gpus or ()),
+            restart_count=restart_count,
+            generation=left,
+            active_members=active,
+            memberships=total,
+        )
+        for (
+            member_id,
+            attempt_id,
+            job_id,
+            number,
+            rdzv_id,
+            device,
+            gpus,
+            restart_count,
+            left,
+            active,
+            total,
+        ) in session.execute(_MEMBERSHIPS, {"node_id": node_id})
+    ]
+
+
+def _members_of_attempt(state: MemberState | None) -> ScalarSelect[int]:
+    """The count of the memberships (in ``state``, if given) of the attempt of the row."""
+    other = aliased(AttemptMember)
+    stmt = select(func.count()).select_from(other).where(other.attempt_id == Attempt.id)
+    if state is not None:
+        stmt = stmt.where(other.state == state)
+    return stmt.correlate(Attempt).scalar_subquery()
+
+
+# Built once: building a statement costs more than running it.
+_RECORD = (
+    update(Node)
+    .where(
+        Node.id == bindparam("node_id"),
+        Node.token_hash == bindparam("node_token_hash"),
+        Node.state == NodeState.ALIVE,
+    )
+    .values(
+        last_heartbeat_at=bindparam("seen_at", type_=Node.__table__.c.last_heartbeat_at.type),
+        gpu_usage=bindparam("usage", type_=Node.__table__.c.gpu_usage.type),
+    )
+    .returning(Node.id)
+    .execution_options(synchronize_session=False)
+)
+_MEMBERSHIPS = (
+    select(
+        AttemptMember.id,
+        AttemptMember.attempt_id,
+        Attempt.job_id,
+        Attempt.number,
+        Attempt.rdzv_id,
+        Attempt.device,
+        AttemptMember.gpus,
+        Job.restart_count,
+        _members_of_attempt(MemberState.LEFT),
+        _members_of_attempt(MemberState.ACTIVE),
+        _members_of_attempt(None),
+    )
+    .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+    .join(Job, Job.id == Attempt.job_id)
+    .where(
+        AttemptMember.node_id == bindparam("node_id"),
+        AttemptMember.state == MemberState.ACTIVE,
+        Attempt.state == AttemptState.RUNNING,
+    )
+    .order_by(AttemptMember.id)
+)

@@ -1,0 +1,97 @@
+"""A heartbeat costs the database two statements, and its answer is rendered once per change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from service import heartbeats
+from service.reconciler import Reconciler
+from tests.helpers import FakeClock
+from tests.service.helpers import Cluster, heartbeat, register, statements, submit
+
+
+def running(api: Cluster, node_id: int, attempt_ids: list[int]) -> list[dict[str, Any]]:
+    """A heartbeat of a node that runs ``attempt_ids``; its assignments."""
+    body = {"running": [{"attempt_id": a, "processes": 1} for a in attempt_ids]}
+    r = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json=body)
+    assert r.status_code == 200, r.text
+    assignments: list[dict[str, Any]] = r.json()["assignments"]
+    return assignments
+
+
+def engine_of(api: Cluster) -> Engine:
+    engine: Engine = api.app.state.session_factory.kw["bind"]  # type: ignore[attr-defined]
+    return engine
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_a_heartbeat_of_a_node_at_work_is_one_update_and_one_select(
+    api: Cluster, reconciler: Reconciler, jobs: int
+) -> None:
+    """However many attempts the node serves (on "cuda", one per GPU here)."""
+    gpus = [{"index": i, "name": "gpu"} for i in range(3)]
+    node_id = register(api, "a", gpus=gpus)
+    for _ in range(jobs):
+        submit(api, "1", device="cuda")
+    reconciler.run_once()
+    attempts = [a["attempt_id"] for a in heartbeat(api, node_id)]
+    assert len(attempts) == jobs
+
+    with statements(engine_of(api)) as sent:
+        assert [a["attempt_id"] for a in running(api, node_id, attempts)] == attempts
+    work = [s.split()[0] for s in sent if not s.startswith("BEGIN")]  # SQLite's, sent as SQL
+    assert work == ["UPDATE", "SELECT"], sent
+
+
+def test_an_answer_is_rendered_once_until_the_attempt_changes(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rendered again when a member is lost: the membership generation it carries moved,
+    though this controller's heartbeat route did nothing to the attempt."""
+    rendered: list[int] = []
+    render = heartbeats.assignment_for
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        rendered.append(args[0].attempt_id)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(heartbeats, "assignment_for", counted)
+    a, b, _silent = (register(api, name) for name in "abc")
+    submit(api, "2:3")
+    reconciler.run_once()
+    [first] = heartbeat(api, a)
+    for _ in range(3):
+        [again] = running(api, a, [first["attempt_id"]])
+        assert again == {**first, "worker_token": None}
+    heartbeat(api, b)
+    assert rendered == [first["attempt_id"]] * 2  # a's once, b's once
+
+    clock.advance(11)  # c falls silent past the node timeout
+    heartbeat(api, a)
+    heartbeat(api, b)
+    reconciler.run_once()
+    [told] = running(api, a, [first["attempt_id"]])
+    assert (told["membership_generation"], told["active_members"]) == (1, 2)
+    assert rendered == [first["attempt_id"]] * 3
+    assert running(api, a, [first["attempt_id"]]) == [told]
+    assert rendered == [first["attempt_id"]] * 3
+
+
+def test_a_lost_node_heartbeating_again_is_alive_and_told_nothing_it_lost(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """The long way: the short UPDATE matches only an ALIVE node."""
+    a = register(api, "a")
+    submit(api, "1")
+    reconciler.run_once()
+    [assignment] = heartbeat(api, a)
+    clock.advance(11)
+    reconciler.run_once()
+    nodes = {n["id"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
+    assert nodes[a] == "LOST"
+    assert running(api, a, [assignment["attempt_id"]]) == []
+    nodes = {n["id"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
+    assert nodes[a] == "ALIVE"
