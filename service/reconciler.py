@@ -483,6 +483,12 @@ class Reconciler:
         self._settings = settings
         self._clock = clock
         self._stop = threading.Event()
+        # Set by ``wake``: the next pass begins at once instead of after the interval.
+        self._woken = threading.Event()
+        # Passes of the loop begun and ended, for ``wake(wait_s=)``.
+        self._passes = threading.Condition()
+        self._begun = 0
+        self._ended = 0
         self._thread: threading.Thread | None = None
         self._leadership: Leadership | None = None
         # Set when this controller takes the lease, and again after a pass that
@@ -786,9 +792,31 @@ class Reconciler:
         self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
         self._thread.start()
 
+    def wake(self, wait_s: float = 0.0) -> bool:
+        """Begin the next pass now (a job was submitted, a node registered): what it
+        would place waits for no interval. Safe from any thread; a pass under way runs to
+        its end first, and wakes that come during it make one more pass, not one each.
+
+        With ``wait_s``, return once a pass begun after this call has ended (True), or
+        after ``wait_s`` (False): a caller that committed before calling then knows the
+        pass saw its commit."""
+        with self._passes:
+            target = self._begun + 1
+        self._woken.set()
+        if wait_s <= 0:
+            return False
+        with self._passes:
+            return (
+                self._passes.wait_for(lambda: self._ended >= target or self._stop.is_set(), wait_s)
+                and not self._stop.is_set()
+            )
+
     def stop(self) -> None:
         """Stop the loop and hand the lease back, so a standby takes over at once."""
         self._stop.set()
+        self._woken.set()
+        with self._passes:
+            self._passes.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._leadership is None:
@@ -815,9 +843,15 @@ class Reconciler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._woken.clear()
+            with self._passes:
+                self._begun += 1
             self.note_pass(utcnow())
             try:
                 self.run_once()
             except Exception:
                 logger.exception("reconciler pass failed; retrying")
-            self._stop.wait(self._settings.reconcile_interval_s)
+            with self._passes:
+                self._ended += 1
+                self._passes.notify_all()
+            self._woken.wait(self._settings.reconcile_interval_s)

@@ -105,6 +105,7 @@ def create_app(
         reconciler = Reconciler(factory, settings, clock, controller_metrics)
         if run_background:
             reconciler.start()
+            app.state.wake_reconciler = reconciler.wake
         logger.info("controller ready on %s:%s", settings.host, settings.port)
         try:
             yield

@@ -80,6 +80,17 @@ async def get_heartbeat_answers(request: Request) -> Answers:
     return answers
 
 
+async def get_wake(request: Request) -> Callable[[float], bool]:
+    """Start the reconciler's next pass now, and wait up to the seconds given for it to
+    end (``Reconciler.wake``); does nothing where no reconciler runs (False)."""
+    wake: Callable[[float], bool] = getattr(request.app.state, "wake_reconciler", _no_reconciler)
+    return wake
+
+
+def _no_reconciler(wait_s: float) -> bool:
+    return False
+
+
 async def get_session_factory(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     return factory
@@ -101,6 +112,7 @@ MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
 CredentialsDep = Annotated[auth.CredentialCache, Depends(get_credentials)]
 AnswersDep = Annotated[AnswerCache, Depends(get_answers)]
 HeartbeatAnswersDep = Annotated[Answers, Depends(get_heartbeat_answers)]
+WakeDep = Annotated[Callable[[float], bool], Depends(get_wake)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.
 MAX_ID = 2**63 - 1

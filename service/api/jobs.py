@@ -23,6 +23,7 @@ from service.api.deps import (
     ReadSessionDep,
     SettingsDep,
     UserDep,
+    WakeDep,
 )
 from service.db import retry_on_stale, transaction
 from service.models import Attempt, Job, Role, User
@@ -142,6 +143,7 @@ def submit(
     settings: SettingsDep,
     keyring: KeyringDep,
     now: NowDep,
+    wake: WakeDep,
     response: Response,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> JobPublic:
@@ -154,6 +156,7 @@ def submit(
     # A submit with the same key that commits first makes this one's try stale; the
     # next try finds that job.
     public, created = retry_on_stale(factory, work)
+    wake(0.0)  # placed by the next pass, now, not after the reconciler's interval
     if not created:
         response.status_code = status.HTTP_200_OK
     return public

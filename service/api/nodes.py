@@ -43,6 +43,7 @@ from service.api.deps import (
     ReadSessionDep,
     SettingsDep,
     UserDep,
+    WakeDep,
     get_node,
 )
 from service.db import retry_on_stale, transaction
@@ -50,6 +51,8 @@ from service.models import Node, Role, User
 from service.schemas import NodeGpuPublic, NodePublic, NodesPublic
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
+# How long a registration waits for the reconciler's pass that it started.
+REGISTER_WAITS_FOR_PASS_S = 1.0
 
 
 @router.post("/register", response_model=NodeRegistered)
@@ -59,6 +62,7 @@ def register(
     factory: FactoryDep,
     settings: SettingsDep,
     now: NowDep,
+    wake: WakeDep,
 ) -> NodeRegistered:
     """401 or 403: the enrolment credential does not admit this name; 409: the name is
     an ALIVE node's and the request does not carry that node's token."""
@@ -66,6 +70,9 @@ def register(
         enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
         node = nodes.register_node(session, body, now)
         node_token = auth.issue_node_token(session, node)
+    # A waiting job, or a running one that may grow, gets the node in a pass that ends
+    # before the reply: the agent's first heartbeat, sent at once, finds its assignment.
+    wake(REGISTER_WAITS_FOR_PASS_S)
     return NodeRegistered(
         node_id=node.id, heartbeat_interval_s=settings.heartbeat_interval_s, node_token=node_token
     )
