@@ -70,6 +70,7 @@ from worker.gpus import (
 )
 from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.settings import AgentSettings
+from worker.spare import HANDOFF_FILE, SPARE_ENV, Handoff, SpareLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ _NOT_FOR_WORKERS = re.compile(
     r"^(RELAUNCH_AGENT_.*|RELAUNCH_ENROLMENT_TOKEN|RELAUNCH_TOKEN|DATABASE_URL|"
     r"RELAUNCH_DATABASE_URL|RELAUNCH_SECRETS_KEYS|RELAUNCH_SECRETS_KEY_FILE)$"
 )
+# -I: no PYTHON* variables, no working directory on sys.path.
+LAUNCHER_PREFIX = (sys.executable, "-I", "-u", "-m", "worker.launch")
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NODE_WORKING_DIR = "work"  # in the attempt's directory, when the job has no shared one
@@ -201,6 +204,26 @@ def missing_working_dir(assignment: Assignment, node: str) -> str | None:
     if os.path.exists(path):
         return f"working_dir {path} is not a directory on node {node}"
     return f"working_dir {path} does not exist on node {node}"
+
+
+def spare_marker(settings: AgentSettings) -> dict[str, str]:
+    """The environment that singles out this agent's spare launchers (``worker.spare``)."""
+    return {SPARE_ENV: "1", AGENT_DIR_ENV: str(settings.work_dir.resolve())}
+
+
+def spare_env(settings: AgentSettings, base_env: Mapping[str, str]) -> dict[str, str]:
+    """A spare launcher's environment: the agent's, less what no launcher gets (its
+    settings and credentials, torchrun's defaults), with ``spare_marker``. Nothing of any
+    job's: a spare is started before any assignment."""
+    env = {
+        k: v
+        for k, v in base_env.items()
+        if not k.startswith(_TORCHRUN_ENV_PREFIX)
+        and k != _PREFIX_TEMPLATE_ENV
+        and not _NOT_FOR_WORKERS.match(k)
+    }
+    env.update(spare_marker(settings))
+    return env
 
 
 def build_launcher_env(
@@ -362,11 +385,24 @@ class Attempt:
         """Environment every process of this attempt on this node carries."""
         return attempt_marker(self._settings, self.attempt_id)
 
-    def start(self) -> None:
+    def start(self, spare: SpareLauncher | None = None) -> None:
         """Start the launcher; a start that fails becomes a failed exit, a fatal one
         (the job fails at once, no restart) if the job's working_dir is missing here.
         GPUs this node does not offer fail the start too, not fatally: the controller
-        places the next attempt by the node's inventory."""
+        places the next attempt by the node's inventory.
+
+        With ``spare`` (``worker.spare``: a launcher interpreter that has loaded, or is
+        loading, what a launcher loads) the launcher is that spare, handed the same
+        arguments, environment and working directory a new one would get; a spare that
+        is gone is left alone and a new launcher started, as without one. Either way
+        ``spare`` is this attempt's from then on: the caller starts another."""
+        try:
+            self._start(spare)
+        finally:
+            if spare is not None and self._popen is not spare.proc:
+                spare.stop()  # not handed off: it must not wait on for another attempt
+
+    def _start(self, spare: SpareLauncher | None) -> None:
         unusable = missing_working_dir(self.assignment, self._settings.name)
         if unusable is not None:
             logger.error("%s cannot start: %s", self._ctx, unusable)
@@ -422,8 +458,7 @@ class Attempt:
             )
             sandbox.write_job_env(box.job_env_file, sandbox.job_env_overlay(worker_env, env))
             command = [
-                # -I: no PYTHON* variables, no working directory on sys.path.
-                sys.executable, "-I", "-u", "-m", "worker.launch",
+                *LAUNCHER_PREFIX,
                 "--events-file", str(self.events_path),
                 "--parent-pid", str(os.getpid()),
                 "--restart-policy", self.assignment.restart.model_dump_json(),
@@ -443,20 +478,23 @@ class Attempt:
             self.membership_path.unlink(missing_ok=True)  # a previous life's
             command += ["--membership-file", str(self.membership_path)]
             command += ["--", *torchrun_args]
-            self._popen = subprocess.Popen(
-                command,
-                env=env,
-                cwd=box.working_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the agent only
-            )
+            self._popen = self._handed_off(spare, command, env, box.working_dir)
+            how = "handed the spare launcher" if self._popen is not None else "started launcher"
+            if self._popen is None:
+                self._popen = subprocess.Popen(
+                    command,
+                    env=env,
+                    cwd=box.working_dir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the agent only
+                )
         except (OSError, ValueError) as exc:
             logger.error("%s cannot start: %s", self._ctx, exc)
             self.exit = AttemptExit(outcome="failed", message=f"cannot start: {exc}")
             return
-        logger.info("%s started launcher pid %d: %s", self._ctx, self._popen.pid, command)
+        logger.info("%s %s pid %d: %s", self._ctx, how, self._popen.pid, command)
         self._track([psutil.Process(self._popen.pid)])
         pipes: list[tuple[IO[bytes] | None, Literal["stdout", "stderr"]]] = [
             (self._popen.stdout, "stdout"),
@@ -471,6 +509,41 @@ class Attempt:
             )
             reader.start()
             self._readers.append(reader)
+
+    def _handed_off(
+        self,
+        spare: SpareLauncher | None,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        working_dir: Path,
+    ) -> subprocess.Popen[bytes] | None:
+        """The spare made this attempt's launcher (``command`` without its interpreter
+        part, ``env``, ``working_dir``); None where there is no live spare to hand to."""
+        if spare is None:
+            return None
+        if not spare.alive():
+            logger.warning(
+                "%s the spare launcher pid %d is gone (exit %s); starting a new launcher",
+                self._ctx, spare.pid, spare.proc.returncode,
+            )  # fmt: skip
+            spare.stop()
+            return None
+        ready = spare.ready()
+        handoff = Handoff(argv=list(command[len(LAUNCHER_PREFIX) :]), env=dict(env),
+                          cwd=str(working_dir))  # fmt: skip
+        try:
+            popen = spare.hand_off(handoff, self.dir / HANDOFF_FILE)
+        except OSError as exc:
+            logger.warning("%s cannot hand off to the spare launcher: %s", self._ctx, exc)
+            spare.stop()
+            return None
+        logger.info(
+            "%s the spare launcher pid %d takes the attempt (%s)",
+            self._ctx,
+            popen.pid,
+            f"loaded in {spare.ready_after_s:.1f} s" if ready else "still loading",
+        )
+        return popen
 
     def _prepare_dirs(self, user: sandbox.JobUser | None) -> sandbox.WorkerSandbox:
         """The attempt's directories: root's and passable where the launcher writes,

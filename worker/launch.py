@@ -67,8 +67,15 @@ from worker.warm import Zygote
 
 logger = logging.getLogger(__name__)
 
-# ``[job 3 attempt 2 node node-a]``: the launcher's own lines have no rank.
-_CTX = f"[{label_from_environ(os.environ, node=True) or 'launcher'}]"
+
+def _context() -> str:
+    """``[job 3 attempt 2 node node-a]``: the launcher's own lines have no rank."""
+    return f"[{label_from_environ(os.environ, node=True) or 'launcher'}]"
+
+
+# Set again by ``main``: a spare launcher (``worker.spare``) imported this module before
+# it had the attempt's environment.
+_CTX = _context()
 _NO_ERROR_FILE = "<N/A>"  # torch's ProcessFailure.error_file when the worker wrote none
 # An error file can hold a whole traceback; an event line must stay under
 # events.MAX_LINE_BYTES to be appended atomically.
@@ -541,6 +548,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _CTX
+    _CTX = _context()
     ns, torchrun_args = _parse(sys.argv[1:] if argv is None else argv)
     procs.set_parent_death_signal(signal.SIGTERM)
     if ns.parent_pid is not None and os.getppid() != ns.parent_pid:

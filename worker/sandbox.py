@@ -12,7 +12,10 @@ reaches a root process:
 - the agent starts the launcher as ``python -I`` (no ``PYTHON*`` variables, no
   current directory on ``sys.path``) with the agent's own environment only; the
   job's variables go to the launcher in a 0600 file (``write_job_env``), which
-  the launcher reads and deletes at start;
+  the launcher reads and deletes at start. A spare launcher (``worker.spare``) is the
+  same process started earlier: before any assignment, with the agent's environment
+  only, handed the launcher's arguments and environment (never the job's variables)
+  in a file of root's;
 - the launcher adds them to each worker's environment only, in the hook around
   torch's worker start (``install_worker_hooks``), where the worker is started
   with ``Popen(user=, group=, extra_groups=[])``: the switch happens in the

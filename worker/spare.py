@@ -1,0 +1,253 @@
+"""The spare launcher: a launcher interpreter started before any assignment, so that an
+attempt's start does not wait for Python and torch's elastic agent to load.
+
+Usage (the node agent starts it; see ``SpareLauncher``)::
+
+    python -I -u -m worker.spare --parent-pid P --ready-fd R
+
+It is started as a launcher is (root, ``python -I -u``, the agent's environment less
+its settings and credentials: ``worker.attempt.spare_env``), in a root-owned directory
+of the agent's. It imports what the launcher imports, torch's elastic agent and the
+rendezvous backend included, writes one byte on ``--ready-fd`` and waits for one line
+on stdin: the path of a hand-off file. Nothing of a job's runs in it until then, and
+nothing of a job's reaches it but that file, which holds what a new launcher would have
+got (``Handoff``: its arguments, its environment, its working directory; never the
+job's own variables, which travel to the workers as before, nor the node's token, which
+the launcher reads from its own file). The file is the agent's: root's, 0600, in the
+attempt's root-owned directory; the spare refuses any other, reads it and deletes it.
+It then becomes that launcher: the environment replaced, the working directory
+entered, stdin on ``/dev/null``, then ``worker.launch.main`` with the arguments. Its
+stdout and stderr are the pipes the agent made when it started the spare, read by the
+attempt from the hand-off on. EOF on stdin (the agent is gone, or gave it up) ends it.
+
+A spare serves one attempt and is never handed back: the agent starts another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from worker import procs
+
+logger = logging.getLogger(__name__)
+
+MAX_HANDOFF_BYTES = 4 << 20
+HANDOFF_FILE = "launch.json"  # in the attempt's directory
+# In a spare's initial environment (with the agent's work dir, ``AGENT_DIR_ENV``): what a
+# later life of the agent finds and ends (``procs.find_by_env``).
+SPARE_ENV = "RELAUNCH_NODE_SPARE"
+# After a hand-off the next spare waits this long, so that its imports do not take the
+# CPU from the attempt that just started (its zygote imports the same).
+RESPAWN_AFTER_HANDOFF_S = 5.0
+# A spare that died before it was used is replaced no sooner than this.
+RESPAWN_AFTER_DEATH_S = 10.0
+
+
+class Handoff(BaseModel):
+    """What makes a spare the launcher of one attempt: ``python -I -u -m worker.launch
+    ARGV`` with ``env`` in ``cwd``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+
+
+def read_handoff(path: Path) -> Handoff:
+    """The hand-off in ``path``, which is then deleted; ``ValueError`` unless it is a plain
+    file of this process's user (root's), readable by that user only."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a plain file")
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise ValueError(f"{path} is not this user's alone (uid {info.st_uid})")
+        data = os.read(fd, MAX_HANDOFF_BYTES + 1)
+    finally:
+        os.close(fd)
+    path.unlink()
+    if len(data) > MAX_HANDOFF_BYTES:
+        raise ValueError(f"{path} is over {MAX_HANDOFF_BYTES} bytes")
+    return Handoff.model_validate_json(data)
+
+
+def preload() -> None:
+    """What ``worker.launch`` imports, at once or later (``install_event_hooks``,
+    ``run_torchrun``, the rendezvous backend, the sandbox's hooks): paid before any job."""
+    import torch.distributed.elastic.agent.server.local_elastic_agent
+    import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler
+    import torch.distributed.run  # noqa: F401
+
+    import worker.launch
+    import worker.rendezvous
+    import worker.warm  # noqa: F401
+
+
+def become(handoff: Handoff) -> None:
+    """Take the launcher's environment, working directory and stdin."""
+    os.environ.clear()
+    os.environ.update(handoff.env)
+    os.chdir(handoff.cwd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker.spare")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--ready-fd", type=int, required=True)
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    procs.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != ns.parent_pid:
+        return 1
+    preload()
+    with contextlib.suppress(BrokenPipeError):  # handed off before it loaded: no one asks
+        os.write(ns.ready_fd, b"1")
+    os.close(ns.ready_fd)
+    line = sys.stdin.buffer.readline(4096)
+    if not line.strip():
+        return 0  # the agent gave this spare up
+    try:
+        handoff = read_handoff(Path(line.decode().strip()))
+        become(handoff)
+    except (OSError, ValueError) as exc:
+        print(f"relaunch spare launcher: bad hand-off: {exc}", file=sys.stderr)
+        return 1
+    from worker import launch
+
+    return launch.main(handoff.argv)
+
+
+@dataclass
+class SpareLauncher:
+    """The agent's side of one spare: its process, its pipes, whether it has loaded."""
+
+    proc: subprocess.Popen[bytes]
+    started_at: float
+    _ready_fd: int
+    ready_after_s: float | None = None
+
+    @classmethod
+    def start(cls, env: Mapping[str, str], cwd: Path) -> SpareLauncher:
+        """Start a spare with ``env`` (the agent's, less what no launcher gets) in ``cwd``.
+
+        Call it from a thread that outlives the spare and the attempt it serves: the
+        spare's parent-death signal fires when the thread that started it ends."""
+        ready_read, ready_write = os.pipe2(os.O_CLOEXEC)
+        command = [
+            # -I: no PYTHON* variables, no working directory on sys.path.
+            sys.executable, "-I", "-u", "-m", "worker.spare",
+            "--parent-pid", str(os.getpid()),
+            "--ready-fd", str(ready_write),
+        ]  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                command,
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(ready_write,),
+                start_new_session=True,  # a terminal's Ctrl-C reaches the agent only
+            )
+        except BaseException:
+            os.close(ready_read)
+            raise
+        finally:
+            os.close(ready_write)
+        os.set_blocking(ready_read, False)
+        return cls(proc=proc, started_at=time.monotonic(), _ready_fd=ready_read)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ready(self) -> bool:
+        """Whether it has loaded what a launcher loads (checked without waiting)."""
+        if self.ready_after_s is None and self._ready_fd >= 0:
+            try:
+                got = os.read(self._ready_fd, 1)
+            except BlockingIOError:
+                return False
+            if got == b"1":
+                self.ready_after_s = time.monotonic() - self.started_at
+            self._close_ready()
+        return self.ready_after_s is not None
+
+    def rss_bytes(self) -> int | None:
+        try:
+            pages = int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pages * os.sysconf("SC_PAGE_SIZE")
+
+    def hand_off(self, handoff: Handoff, path: Path) -> subprocess.Popen[bytes]:
+        """Make this spare the launcher ``handoff`` describes; its ``Popen`` from then on.
+
+        ``path`` is where the hand-off is written (root's, 0600, new); only its path goes
+        down the pipe, which never fills. ``OSError`` if the spare is gone. A spare that
+        is still loading reads it once it has loaded: that is still sooner than a new
+        launcher, which would load the same from the start."""
+        self.ready()
+        self._close_ready()
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(handoff.model_dump_json())
+        stdin = self.proc.stdin
+        if stdin is None:
+            raise OSError("the spare has no stdin")
+        try:
+            stdin.write(str(path).encode() + b"\n")
+            stdin.close()
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            raise
+        self.proc.stdin = None
+        return self.proc
+
+    def stop(self) -> None:
+        """End the spare (it runs nothing of anyone's) and reap it."""
+        self._close_ready()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            logger.error("spare launcher pid %d survives SIGKILL", self.proc.pid)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+    def _close_ready(self) -> None:
+        if self._ready_fd >= 0:
+            os.close(self._ready_fd)
+            self._ready_fd = -1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
