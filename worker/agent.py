@@ -17,7 +17,10 @@ One loop on one thread owns everything (``NodeAgent.run``):
    of an attempt that lost a member, so they re-form at once
    (``Attempt.follow_membership``);
 3. every report interval: settle exits, send new output and events, and the
-   exit report once an attempt has ended; refresh the pid ledger.
+   exit report once an attempt has ended; refresh the pid ledger;
+4. with warm workers: keep one spare launcher (``worker.spare``) loaded, which the
+   next attempt to start here becomes; one that dies is replaced. At start the spares
+   a previous life left are ended, and at shutdown this life's.
 
 A 404 on heartbeat makes the agent register again; a 409 on a report means the
 attempt is over for this node (its job was cancelled, or it was fenced): it is
@@ -47,7 +50,7 @@ from contract.protocol import (
     StopReason,
 )
 from worker import gpus, node_token, procs, sandbox
-from worker.attempt import Attempt, attempt_label, attempt_marker
+from worker.attempt import Attempt, attempt_label, attempt_marker, spare_env, spare_marker
 from worker.client import (
     ControllerClient,
     ControllerError,
@@ -57,6 +60,7 @@ from worker.client import (
     UnknownNodeError,
 )
 from worker.settings import AgentSettings
+from worker.spare import RESPAWN_AFTER_DEATH_S, RESPAWN_AFTER_HANDOFF_S, SpareLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +164,8 @@ class NodeAgent:
         self._next_alive = 0.0
         self._register_backoff_s = 0.5
         self._token_file = node_token.token_file(settings.work_dir)
+        self._spare: SpareLauncher | None = None
+        self._next_spare = 0.0
 
     @property
     def node_id(self) -> int | None:
@@ -179,6 +185,13 @@ class NodeAgent:
         )
         if left:
             logger.warning("node=%s killed %d leftover processes", self._settings.name, left)
+        spares = procs.find_by_env(spare_marker(self._settings))
+        if spares:
+            procs.kill_all(spares, self._settings.stop_grace_s)
+            logger.warning(
+                "node=%s ended %d spare launcher(s) of a previous life", self._settings.name,
+                len(spares),
+            )  # fmt: skip
         logger.info(
             "node=%s agent pid %d serving, controller %s, isolation %s",
             self._settings.name,
@@ -189,6 +202,7 @@ class NodeAgent:
         try:
             while not self._stop.is_set():
                 self.step()
+                self._keep_spare(self._clock())
                 self._stop.wait(self._idle_s())
         finally:
             self._shutdown()
@@ -227,6 +241,49 @@ class NodeAgent:
         if now >= self._next_alive:
             self._next_alive = now + ALIVE_EVERY_S
             self._mark_alive()
+
+    def _keep_spare(self, now: float) -> None:
+        """With warm workers, have one spare launcher: start one where there is none (or
+        it died), once ``_next_spare`` has come. Only ``run`` keeps one: the thread that
+        starts a spare must outlive it (its parent-death signal follows that thread)."""
+        if not self._settings.warm_workers:
+            return
+        spare = self._spare
+        if spare is not None:
+            if spare.alive():
+                if spare.ready_after_s is None and spare.ready():
+                    rss = spare.rss_bytes()
+                    logger.info(
+                        "node=%s spare launcher pid %d loaded in %.1f s (%s MiB)",
+                        self._settings.name, spare.pid, spare.ready_after_s,
+                        "?" if rss is None else rss >> 20,
+                    )  # fmt: skip
+                return
+            logger.warning(
+                "node=%s spare launcher pid %d died (exit %s); another in %.0f s",
+                self._settings.name, spare.pid, spare.proc.returncode, RESPAWN_AFTER_DEATH_S,
+            )  # fmt: skip
+            spare.stop()
+            self._spare = None
+            self._next_spare = now + RESPAWN_AFTER_DEATH_S
+            return
+        if now < self._next_spare:
+            return
+        try:
+            self._spare = SpareLauncher.start(
+                spare_env(self._settings, os.environ),
+                sandbox.root_dir(self._settings.work_dir / "spare", 0o700),
+            )
+        except OSError as exc:
+            logger.error("node=%s cannot start a spare launcher: %s", self._settings.name, exc)
+            self._next_spare = now + RESPAWN_AFTER_DEATH_S
+
+    def _take_spare(self) -> SpareLauncher | None:
+        """The spare, for an attempt to start as; the next one comes a little later."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._next_spare = self._clock() + RESPAWN_AFTER_HANDOFF_S
+        return spare
 
     def _mark_alive(self) -> None:
         """Show the loop turns, whether or not the controller answers (container health)."""
@@ -328,7 +385,7 @@ class NodeAgent:
                 assignment, self._settings, self._client.node_token, self._inventory.indices
             )
             self._attempts[assignment.attempt_id] = attempt
-            attempt.start()
+            attempt.start(self._take_spare())
         for assignment in reply.assignments:
             held = self._attempts.get(assignment.attempt_id)
             if held is not None and held.assignment.member_id == assignment.member_id:
@@ -367,6 +424,8 @@ class NodeAgent:
         self._ledger.write({aid: a.ledger_entries() for aid, a in self._attempts.items()})
         # This process owns no children but launchers; the rest are adopted orphans.
         launchers = {a.launcher_pid for a in self._attempts.values()}
+        if self._spare is not None:
+            launchers.add(self._spare.pid)
         procs.reap_children(exclude={pid for pid in launchers if pid is not None})
 
     def _deliver(self, attempt: Attempt, node_id: int) -> bool:
@@ -425,6 +484,9 @@ class NodeAgent:
             )
 
     def _shutdown(self) -> None:
+        if self._spare is not None:
+            self._spare.stop()
+            self._spare = None
         attempts = list(self._attempts.values())
         for attempt in attempts:
             attempt.stop("the node agent is shutting down")

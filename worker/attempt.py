@@ -479,7 +479,7 @@ class Attempt:
             command += ["--membership-file", str(self.membership_path)]
             command += ["--", *torchrun_args]
             self._popen = self._handed_off(spare, command, env, box.working_dir)
-            how = "handed the spare launcher" if self._popen is not None else "started launcher"
+            how = " (a spare, handed the attempt)" if self._popen is not None else ""
             if self._popen is None:
                 self._popen = subprocess.Popen(
                     command,
@@ -494,7 +494,7 @@ class Attempt:
             logger.error("%s cannot start: %s", self._ctx, exc)
             self.exit = AttemptExit(outcome="failed", message=f"cannot start: {exc}")
             return
-        logger.info("%s %s pid %d: %s", self._ctx, how, self._popen.pid, command)
+        logger.info("%s started launcher pid %d%s: %s", self._ctx, self._popen.pid, how, command)
         self._track([psutil.Process(self._popen.pid)])
         pipes: list[tuple[IO[bytes] | None, Literal["stdout", "stderr"]]] = [
             (self._popen.stdout, "stdout"),

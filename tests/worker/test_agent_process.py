@@ -308,9 +308,14 @@ def test_a_restarted_agent_kills_what_its_previous_life_left(
         lambda: any("tick" in line.line for r in fake.of(4) for line in r.logs),
     )
     wait_for("attempt 4 in the ledger", lambda: '"4"' in _ledger_text(tmp_path))
+    # The launcher is the spare launcher the attempt was handed (its environment is the
+    # agent's, not the attempt's): the parent of the attempt's zygote.
     launcher = wait_for(
         "the launcher",
-        lambda: [p for p in _processes_of(4) if "worker.launch" in " ".join(p.cmdline())],
+        lambda: (
+            [p for p in _processes_of(4) if p.ppid() == first.pid]
+            or [p.parent() for p in _processes_of(4) if p.parent().ppid() == first.pid]
+        ),
     )[0]
 
     first.kill()  # the agent dies hard
@@ -461,3 +466,86 @@ def test_an_attempt_on_a_gpu_node_waits_until_the_one_it_replaces_is_gone(
     gone = next(i for i, m in enumerate(messages) if "attempt id 5] stopped" in m)
     started = next(i for i, m in enumerate(messages) if "attempt id 6] started launcher" in m)
     assert waits[0] < gone < started
+
+
+def _spares_of(work_dir: Path) -> list[psutil.Process]:
+    """Live spare launchers (``worker.spare``) of the agent whose work dir this is."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+            if (
+                env.get("RELAUNCH_NODE_SPARE") == "1"
+                and env.get("RELAUNCH_NODE_AGENT_DIR") == str(work_dir.resolve())
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_an_agent_keeps_one_spare_launcher_without_credentials_and_replaces_it_when_it_dies(
+    tmp_path: Path,
+    controller: tuple[FakeController, str],
+    cleanup: list[subprocess.Popen[bytes]],
+) -> None:
+    _, url = controller
+    agent = _start_agent(tmp_path, url, "agent.log")
+    cleanup.append(agent)
+    work_dir = tmp_path / "agent"
+    (spare,) = wait_for("a spare launcher", lambda: _spares_of(work_dir), timeout_s=30)
+    assert spare.ppid() == agent.pid
+    assert spare.uids().real == spare.uids().effective == os.getuid()
+    # Started before any job: the agent's environment, less its settings and credentials.
+    env = spare.environ()
+    assert not [k for k in env if k.startswith("RELAUNCH_AGENT_")]
+    assert "enrolment-secret" not in env.values()
+    assert "rln_one" not in " ".join([*env.values(), *spare.cmdline()])
+    assert spare.cwd() == str((work_dir / "spare").resolve())
+    assert (work_dir / "spare").stat().st_mode & 0o777 == 0o700
+
+    spare.kill()
+    replacement = wait_for(
+        "another spare launcher",
+        lambda: [p for p in _spares_of(work_dir) if p.pid != spare.pid],
+        timeout_s=60,
+    )[0]
+    assert replacement.ppid() == agent.pid
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(20) == 0
+    assert _spares_of(work_dir) == []  # an agent that stops leaves no spare behind
+
+
+def test_a_restarted_agent_ends_the_spare_launcher_its_previous_life_left(
+    tmp_path: Path,
+    controller: tuple[FakeController, str],
+    cleanup: list[subprocess.Popen[bytes]],
+) -> None:
+    _, url = controller
+    work_dir = tmp_path / "agent"
+    work_dir.mkdir()
+    # What a previous life's spare looks like to this one (in a session of its own, not
+    # this agent's child: its parent-death signal never came).
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={
+            "PATH": os.environ.get("PATH", ""),
+            "RELAUNCH_NODE_SPARE": "1",
+            "RELAUNCH_NODE_AGENT_DIR": str(work_dir.resolve()),
+        },
+        start_new_session=True,
+    )
+    try:
+        wait_for(
+            "the leftover to show", lambda: leftover.pid in {p.pid for p in _spares_of(work_dir)}
+        )
+        agent = _start_agent(tmp_path, url, "agent.log")
+        cleanup.append(agent)
+        assert leftover.wait(30) == -signal.SIGTERM
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(20) == 0
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+            leftover.wait()
