@@ -201,8 +201,8 @@ class NodeAgent:
         )
         try:
             while not self._stop.is_set():
+                self._keep_spare(self._clock())  # first: it loads while the agent registers
                 self.step()
-                self._keep_spare(self._clock())
                 self._stop.wait(self._idle_s())
         finally:
             self._shutdown()
