@@ -50,8 +50,9 @@ HANDOFF_FILE = "launch.json"  # in the attempt's directory
 # later life of the agent finds and ends (``procs.find_by_env``).
 SPARE_ENV = "RELAUNCH_NODE_SPARE"
 # After a hand-off the next spare waits this long, so that its imports do not take the
-# CPU from the attempt that just started (its zygote imports the same).
-RESPAWN_AFTER_HANDOFF_S = 5.0
+# CPU from the attempt that just started (its zygote and workers import the same): on a
+# loaded 2-core node a spare started 5 s after the hand-off delayed the new workers.
+RESPAWN_AFTER_HANDOFF_S = 30.0
 # A spare that died before it was used is replaced no sooner than this.
 RESPAWN_AFTER_DEATH_S = 10.0
 

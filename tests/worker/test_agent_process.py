@@ -232,7 +232,9 @@ def _assignment(attempt_id: int, script: Path, nproc: int) -> Assignment:
     )
 
 
-def _start_agent(tmp_path: Path, url: str, log_name: str) -> subprocess.Popen[bytes]:
+def _start_agent(
+    tmp_path: Path, url: str, log_name: str, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     code = (
         "import logging; logging.basicConfig(level=logging.INFO);"
         "from worker.agent import run_agent; from worker.settings import AgentSettings;"
@@ -251,6 +253,7 @@ def _start_agent(tmp_path: Path, url: str, log_name: str) -> subprocess.Popen[by
                 "RELAUNCH_AGENT_WORK_DIR": str(tmp_path / "agent"),
                 "RELAUNCH_AGENT_REPORT_INTERVAL_S": "0.2",
                 "RELAUNCH_AGENT_STOP_GRACE_S": "2",
+                **(extra_env or {}),
             },
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -549,3 +552,22 @@ def test_a_restarted_agent_ends_the_spare_launcher_its_previous_life_left(
         if leftover.poll() is None:
             leftover.kill()
             leftover.wait()
+
+
+def test_an_agent_without_warm_workers_keeps_no_spare_launcher(
+    tmp_path: Path,
+    controller: tuple[FakeController, str],
+    cleanup: list[subprocess.Popen[bytes]],
+) -> None:
+    fake, url = controller
+    agent = _start_agent(
+        tmp_path, url, "agent.log", extra_env={"RELAUNCH_AGENT_WARM_WORKERS": "false"}
+    )
+    cleanup.append(agent)
+    # The loop starts a spare before it registers, so by its second heartbeat it has one
+    # if it keeps one at all.
+    wait_for("two heartbeats", lambda: len(fake.heartbeats) >= 2, timeout_s=30)
+    assert _spares_of(tmp_path / "agent") == []
+    assert not [p for p in psutil.Process(agent.pid).children() if "worker.spare" in p.cmdline()]
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(20) == 0
