@@ -204,3 +204,44 @@ def test_a_body_read_while_the_job_changed_is_served_but_not_kept() -> None:
     assert built.body == b'{"n": 1}' and len(cache) == 0  # version 1 before, 2 after
     again = cache.answer("k", lambda: next(versions), lambda: '{"n": 2}')
     assert again.body == b'{"n": 2}' and cache.get("k", 2) == again
+
+
+def test_a_kept_page_follows_jobs_that_come_leave_its_filter_or_shift_it(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    alice = api.add_user("alice")
+    register(api, "a")
+    first = submit(api, "1")
+    pages = {
+        "pending": {"state": "PENDING"},
+        "running": {"state": "RUNNING"},
+        "second": {"limit": 1, "offset": 1},
+    }
+
+    def read(page: str, etag: str | None = None, token: str | None = None) -> Any:
+        headers = {"if-none-match": etag} if etag else {}
+        return api.get(
+            "/api/v1/jobs",
+            params=pages[page],
+            headers={**headers, **bearer(token)} if token else headers,
+        )
+
+    etags = {page: read(page).headers["etag"] for page in pages}
+    assert [j["id"] for j in read("pending").json()["items"]] == [first]
+
+    reconciler.run_once()  # the job is placed: RUNNING, no longer PENDING
+    assert read("pending", etags["pending"]).json()["items"] == []
+    assert [j["id"] for j in read("running", etags["running"]).json()["items"]] == [first]
+
+    second = submit(api, "2")  # the newest comes first: the first job moves to page two
+    assert [j["id"] for j in read("second", etags["second"]).json()["items"]] == [first]
+    assert read("second").json()["total"] == 2
+
+    # Alice's own page (the same parameters) is hers alone, before and after her submit.
+    assert read("second", token=alice).json() == {"items": [], "total": 0, "limit": 1, "offset": 1}
+    theirs = api.post(
+        "/api/v1/jobs", json={"name": "x", "task": {"name": "regression"}}, headers=bearer(alice)
+    )
+    assert read("second", token=alice).json()["total"] == 1
+    assert [j["id"] for j in read("second").json()["items"]] == [second]
+    assert theirs.json()["id"] not in (first, second)
