@@ -311,6 +311,7 @@ def test_every_field_of_a_job_is_a_column_of_its_row_or_read_into_the_version() 
         "last_snapshot_at": "the newest snapshot's time",
         "device": "the newest attempt's",
         "attempts": "the attempts' version",
+        "nodes_now": "the alive and idle nodes, counted into the version of a waiting job",
     }
     columns = {c.key for c in Job.__table__.columns} - {"spec"}  # not in the version
     assert set(JobDetail.model_fields) - columns == set(from_elsewhere)
