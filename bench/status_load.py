@@ -72,24 +72,32 @@ class Result:
 
 
 def hammer(
-    url: str, token: str, path: str, conditional: bool, until: float, interval_s: float = 0.0
+    url: str,
+    token: str,
+    path: str,
+    conditional: bool,
+    until: float,
+    interval_s: float = 0.0,
+    first_s: float = 0.0,
 ) -> tuple[list[float], int]:
     """One client: GET ``path`` back to back until ``until``, or one every ``interval_s``
-    seconds; latencies and 304 count."""
+    seconds from ``first_s`` on (clients start apart, as dashboards opened at different
+    moments poll); latencies and 304 count. A paced request's latency runs from when it
+    was due: one the client sends late, behind a slow answer, waited too."""
     latencies: list[float] = []
     not_modified = 0
     etag: str | None = None
     headers = {"authorization": f"Bearer {token}"}
-    due = time.time()
+    due = time.perf_counter() + first_s
     with httpx.Client(base_url=url, timeout=10.0) as http:
         while time.time() < until:
             if interval_s:
-                due += interval_s
-                time.sleep(max(0.0, due - time.time()))
+                time.sleep(max(0.0, due - time.perf_counter()))
             sent = {**headers, "if-none-match": etag} if conditional and etag else headers
-            start = time.perf_counter()
+            start = min(time.perf_counter(), due) if interval_s else time.perf_counter()
             response = http.get(path, headers=sent)
             latencies.append((time.perf_counter() - start) * 1000)
+            due += interval_s
             if response.status_code == 304:
                 not_modified += 1
             elif response.status_code == 200:
@@ -137,8 +145,17 @@ def run_phase(
     if phase.path:
         interval_s = clients / rate if rate else 0.0
         args = [
-            (cluster.url, cluster.admin_token, phase.path, phase.conditional, until, interval_s)
-        ] * clients
+            (
+                cluster.url,
+                cluster.admin_token,
+                phase.path,
+                phase.conditional,
+                until,
+                interval_s,
+                i * interval_s / clients,
+            )
+            for i in range(clients)
+        ]
         with multiprocessing.Pool(clients) as pool:
             for lat, nm in pool.starmap(hammer, args):
                 latencies += lat

@@ -155,7 +155,10 @@ class CredentialCache:
 
     A token revoked on another controller (or straight in the database) still works
     here until its entry is ``ttl_s`` old, and no longer; one revoked through this
-    controller stops at once (``forget``). A clock that went back ends every entry
+    controller stops at once (``forget``), also for a check that read the token before
+    the revoke and stores its answer after it (``remember`` with ``since``). The user's
+    other columns (role, limits) are cached alike: a change made in the database shows
+    within ``ttl_s``. A clock that went back ends every entry
     checked after its new time. ``ttl_s`` 0 checks every request against the
     database. Only users are cached: an unknown or revoked token, or a node's, is
     looked up every time. Entries are keyed by the token's sha256, never its text.
@@ -166,7 +169,14 @@ class CredentialCache:
             raise ValueError(f"a credential cache lasts 0 seconds or more, not {ttl_s}")
         self.ttl = timedelta(seconds=ttl_s)
         self._entries: dict[str, _Checked] = {}
+        self._forgotten = 0
         self._lock = threading.Lock()
+
+    @property
+    def forgotten(self) -> int:
+        """How many tokens were forgotten so far: read before a check, and given to
+        ``remember`` after it."""
+        return self._forgotten
 
     def user(self, token: str, now: datetime) -> User | None:
         """The user whose token this is, if checked in the last ``ttl_s`` seconds; a
@@ -180,11 +190,16 @@ class CredentialCache:
         make_transient_to_detached(user)
         return user
 
-    def remember(self, token: str, user: User, now: datetime) -> None:
+    def remember(self, token: str, user: User, now: datetime, since: int) -> None:
+        """Keep ``user`` as the owner of ``token``, checked at ``now``, unless a token was
+        forgotten after the check began (``since``, ``forgotten`` as read before it): the
+        check may have seen that token live just before its revoke was committed."""
         if not self.ttl:
             return
         columns = {c.key: getattr(user, c.key) for c in User.__mapper__.column_attrs}
         with self._lock:
+            if self._forgotten != since:
+                return
             if len(self._entries) >= MAX_CACHED_CREDENTIALS:
                 for key in list(self._entries)[: MAX_CACHED_CREDENTIALS // 2]:
                     del self._entries[key]
@@ -193,6 +208,7 @@ class CredentialCache:
     def forget(self, hashed: str) -> None:
         """Drop the entry of the token whose sha256 is ``hashed`` (it was revoked)."""
         with self._lock:
+            self._forgotten += 1
             self._entries.pop(hashed, None)
 
 

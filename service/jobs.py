@@ -81,8 +81,9 @@ def submit_job(
     ``retry_on_stale`` does), it finds the first one's job.
     """
     # Lock the owner's row: their submits run one at a time, so two cannot both
-    # pass the limits below.
-    session.scalars(select(User).where(User.id == owner.id).with_for_update()).one()
+    # pass the limits below, which are read from this row (the caller's copy may be
+    # a few seconds old: ``auth.CredentialCache``).
+    owner = session.scalars(select(User).where(User.id == owner.id).with_for_update()).one()
     digests = spec_digests(spec, keyring)
     if idempotency_key is not None:
         earlier = session.scalars(

@@ -164,8 +164,9 @@ async def get_user(request: Request, credentials: BearerDep) -> User:
     user = cache.user(token, now)
     if user is None:
         factory = await get_read_factory(request)
+        since = cache.forgotten
         user = await run_in_threadpool(user_from_database, factory, credentials)
-        cache.remember(token, user, now)
+        cache.remember(token, user, now, since)
     return user
 
 

@@ -9,14 +9,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
 from service.api.answers import Answer, AnswerCache
 from service.api.jobs import job_detail, jobs_page
 from service.db import transaction
-from service.models import Metric, Role, Snapshot, User
+from service.models import Attempt, AttemptMember, Job, Metric, Role, Snapshot, User
 from service.reconciler import Reconciler
+from service.schemas import AttemptPublic, JobDetail, MemberPublic
+from service.states import AttemptState, MemberState
 from tests.service.helpers import Cluster, bearer, heartbeat, register, report, submit
 
 # Each changes one value a job's answer shows, straight in the database: none of them
@@ -204,3 +206,112 @@ def test_a_body_read_while_the_job_changed_is_served_but_not_kept() -> None:
     assert built.body == b'{"n": 1}' and len(cache) == 0  # version 1 before, 2 after
     again = cache.answer("k", lambda: next(versions), lambda: '{"n": 2}')
     assert again.body == b'{"n": 2}' and cache.get("k", 2) == again
+
+
+def test_a_kept_page_follows_jobs_that_come_leave_its_filter_or_shift_it(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    alice = api.add_user("alice")
+    register(api, "a")
+    first = submit(api, "1")
+    pages = {
+        "pending": {"state": "PENDING"},
+        "running": {"state": "RUNNING"},
+        "second": {"limit": 1, "offset": 1},
+    }
+
+    def read(page: str, etag: str | None = None, token: str | None = None) -> Any:
+        headers = {"if-none-match": etag} if etag else {}
+        return api.get(
+            "/api/v1/jobs",
+            params=pages[page],
+            headers={**headers, **bearer(token)} if token else headers,
+        )
+
+    etags = {page: read(page).headers["etag"] for page in pages}
+    assert [j["id"] for j in read("pending").json()["items"]] == [first]
+
+    reconciler.run_once()  # the job is placed: RUNNING, no longer PENDING
+    assert read("pending", etags["pending"]).json()["items"] == []
+    assert [j["id"] for j in read("running", etags["running"]).json()["items"]] == [first]
+
+    second = submit(api, "2")  # the newest comes first: the first job moves to page two
+    assert [j["id"] for j in read("second", etags["second"]).json()["items"]] == [first]
+    assert read("second").json()["total"] == 2
+
+    # Alice's own page (the same parameters) is hers alone, before and after her submit.
+    assert read("second", token=alice).json() == {"items": [], "total": 0, "limit": 1, "offset": 1}
+    theirs = api.post(
+        "/api/v1/jobs", json={"name": "x", "task": {"name": "regression"}}, headers=bearer(alice)
+    )
+    assert read("second", token=alice).json()["total"] == 1
+    assert [j["id"] for j in read("second").json()["items"]] == [second]
+    assert theirs.json()["id"] not in (first, second)
+
+
+def _new_values(node: int) -> dict[tuple[str, str], Any]:
+    """A new stored value for each field of an attempt and a member that the detail
+    shows; ``node`` is another node's id."""
+    later = datetime(2030, 1, 1, tzinfo=UTC)
+    return {
+        ("attempts", "number"): 7,
+        ("attempts", "rdzv_id"): "another",
+        ("attempts", "state"): AttemptState.STOPPED,
+        ("attempts", "device"): "cuda",
+        ("attempts", "world_size"): 5,
+        ("attempts", "created_at"): later,
+        ("attempts", "ended_at"): later,
+        ("attempts", "result"): "ended",
+        ("attempt_members", "node_id"): node,
+        ("attempt_members", "state"): MemberState.LEFT,
+        ("attempt_members", "joined_at"): later,
+        ("attempt_members", "left_at"): later,
+        ("attempt_members", "exit_code"): 9,
+        ("attempt_members", "gpus"): [5],
+    }
+
+
+# Shown but not changed here: ids (an attempt's id is referred to by its members, so
+# it is never changed), the node's name (CHANGES) and the members (their fields are).
+NOT_CHANGED = {("attempts", "id"), ("attempts", "members"), ("attempt_members", "node_name")}
+
+
+def test_every_field_of_an_attempt_and_a_member_is_in_the_version(
+    api: Cluster, running: tuple[int, int, int]
+) -> None:
+    """A field added to AttemptPublic or MemberPublic must be added to the version (and
+    here): otherwise its changes would be answered with the old body."""
+    job_id, _, _ = running
+    other = register(api, "b")
+    values = _new_values(other)
+    shown = {("attempts", f) for f in AttemptPublic.model_fields}
+    shown |= {("attempt_members", f) for f in MemberPublic.model_fields}
+    assert shown - NOT_CHANGED == set(values)
+    path = f"/api/v1/jobs/{job_id}"
+    for (table, column), value in values.items():
+        before = api.get(path)
+        with transaction(api.app.state.session_factory) as session:  # type: ignore[attr-defined]
+            rows = Attempt.__table__ if table == "attempts" else AttemptMember.__table__
+            session.execute(update(rows).values({column: value}))
+        after = api.get(path, headers={"if-none-match": before.headers["etag"]})
+        assert after.status_code == 200, column
+        assert after.json() != before.json(), column
+        assert after.json() == _fresh(api, lambda s, u: job_detail(s, job_id, u)), column
+
+
+def test_every_field_of_a_job_is_a_column_of_its_row_or_read_into_the_version() -> None:
+    """The version reads the job's whole row (but its spec); a field of the detail that
+    comes from elsewhere must be read into it by hand (and named here)."""
+    from_elsewhere = {
+        "owner": "the owner's name",
+        "spec": "never changes after submit",
+        "min_nodes": "from the spec",
+        "max_nodes": "from the spec",
+        "step_time_s": "the ids of the two newest metrics",
+        "last_snapshot_at": "the newest snapshot's time",
+        "device": "the newest attempt's",
+        "attempts": "the attempts' version",
+        "nodes_now": "the alive and idle nodes, counted into the version of a waiting job",
+    }
+    columns = {c.key for c in Job.__table__.columns} - {"spec"}  # not in the version
+    assert set(JobDetail.model_fields) - columns == set(from_elsewhere)

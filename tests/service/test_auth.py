@@ -11,9 +11,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
 from service import auth
+from service.api import deps, users
 from service.api.app import FIRST_ADMIN_BANNER, create_app
 from service.db import transaction
-from service.models import ApiToken, Role
+from service.models import ApiToken, Role, User
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
 from tests.service.helpers import ENROLMENT_TOKEN, Cluster, bearer, register, submit
@@ -418,3 +419,33 @@ def test_each_request_gets_its_own_copy_of_a_cached_user(world: World) -> None:
     assert first is not second and first.name == second.name == "alice"
     first.role = Role.ADMIN
     assert cache.user(world.alice, now).role is Role.USER
+
+
+def test_a_check_that_read_a_token_just_before_its_revoke_does_not_cache_it(
+    world: World, monkeypatch: pytest.MonkeyPatch, clock: FakeClock, settings: ControllerSettings
+) -> None:
+    """A request looks the token up, the token is revoked through this controller, and
+    only then does the request store what it found: the revoke still holds at once."""
+    state = world.api.app.state  # type: ignore[attr-defined]
+    with transaction(state.session_factory) as session:
+        token_id = session.scalars(
+            select(ApiToken.id).where(ApiToken.token_hash == auth.token_hash(world.alice))
+        ).one()
+        admin = session.scalars(select(User).where(User.role == Role.ADMIN)).first()
+    looked_up = deps.user_from_database
+    revoked = []
+
+    def revoked_meanwhile(*args: Any) -> Any:
+        found = looked_up(*args)
+        if found.name == "alice":
+            users.revoke_token(token_id, admin, state.session_factory, state.credentials, clock())
+            revoked.append(token_id)
+        return found
+
+    clock.advance(settings.credential_cache_s)  # what the fixture cached has ended
+    monkeypatch.setattr(deps, "user_from_database", revoked_meanwhile)
+    me = "/api/v1/users/me"
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 200  # checked before
+    assert revoked == [token_id]
+    monkeypatch.setattr(deps, "user_from_database", looked_up)
+    assert world.api.get(me, headers=bearer(world.alice)).status_code == 401

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from contract.paths import UnsafePath, inside, plain_name
+from service.db import transaction
 from service.schemas import JobCreate
 from tests.service.helpers import Cluster, bearer, heartbeat, register
 
@@ -254,3 +256,15 @@ def test_a_snapshot_over_2_gib_keeps_its_size(api: Cluster, reconciler: Any) -> 
     assert api.post(f"/api/v1/nodes/{node}/reports", json=report).status_code == 200
     [snapshot] = api.get(f"/api/v1/jobs/{job_id}/snapshots").json()["items"]
     assert snapshot["bytes"] == 5 * 2**30
+
+
+def test_a_limit_set_in_the_database_holds_while_the_callers_token_is_cached(
+    api: Cluster,
+) -> None:
+    erin = bearer(api.add_user("erin", max_active_jobs=2))
+    assert api.get("/api/v1/users/me", headers=erin).json()["max_active_jobs"] == 2  # cached
+    with transaction(api.app.state.session_factory) as session:  # type: ignore[attr-defined]
+        session.execute(text("UPDATE users SET max_active_jobs = 1 WHERE name = 'erin'"))
+    assert api.post("/api/v1/jobs", json=SPEC, headers=erin).status_code == 201
+    second = api.post("/api/v1/jobs", json=SPEC, headers=erin)
+    assert second.status_code == 409 and "the limit is 1" in second.json()["detail"]

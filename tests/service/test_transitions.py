@@ -13,7 +13,7 @@ from contract.protocol import Heartbeat, NodeRegister
 from service.auth import issue_node_token
 from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
 from service.models import Job, Node
-from service.nodes import heartbeat, leave, mark_lost, register_node
+from service.nodes import leave, mark_lost, record_heartbeat, register_node
 from service.secrets import Keyring
 from service.settings import ControllerSettings
 from service.states import AttemptState, InvalidTransition, JobState, NodeState
@@ -161,11 +161,11 @@ def test_a_node_changes_state_only_along_its_lifecycle(
     node_id = _node(factory, NodeState.LOST)
     t1, t2, t3 = (T0 + timedelta(seconds=s) for s in (1, 2, 3))
     with transaction(factory) as session:  # a heartbeat brings a LOST node back
-        heartbeat(session, node_id, Heartbeat(), settings, t1, KEYRING)
+        record_heartbeat(session, node_id, Heartbeat(), t1)
     node = _read_node(factory, node_id)
     assert (node.state, node.last_heartbeat_at) == (NodeState.ALIVE, t1)
     with transaction(factory) as session:  # a heartbeat of an ALIVE node keeps it ALIVE
-        heartbeat(session, node_id, Heartbeat(), settings, t2, KEYRING)
+        record_heartbeat(session, node_id, Heartbeat(), t2)
     node = _read_node(factory, node_id)
     assert (node.state, node.last_heartbeat_at) == (NodeState.ALIVE, t2)
     with transaction(factory) as session:  # heard from at t2: not lost for silence before t1
