@@ -243,10 +243,11 @@ class NodeAgent:
             self._mark_alive()
 
     def _keep_spare(self, now: float) -> None:
-        """With warm workers, have one spare launcher: start one where there is none (or
-        it died), once ``_next_spare`` has come. Only ``run`` keeps one: the thread that
-        starts a spare must outlive it (its parent-death signal follows that thread)."""
-        if not self._settings.warm_workers:
+        """With warm workers and ``spare_launcher``, have one spare launcher: start one
+        where there is none (or it died), once ``_next_spare`` has come. Only ``run`` keeps
+        one: the thread that starts a spare must outlive it (its parent-death signal
+        follows that thread)."""
+        if not (self._settings.warm_workers and self._settings.spare_launcher):
             return
         spare = self._spare
         if spare is not None:

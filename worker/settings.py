@@ -130,6 +130,12 @@ class AgentSettings(BaseSettings):
         description="Fork each worker from a zygote that has imported torch (worker.warm); "
         "false: start every worker as a new interpreter",
     )
+    spare_launcher: bool = Field(
+        default=False,
+        description="With warm_workers: keep one launcher interpreter with torch's elastic "
+        "agent already imported and hand it the next attempt, so that an attempt's start "
+        "does not wait for those imports; costs about 290 MiB per node",
+    )
     work_dir: Path = Field(
         default_factory=_default_work_dir,
         description="Per-node state: attempt dirs, pid ledger (default ~/.relaunch/agent/<name>; "

@@ -56,6 +56,7 @@ from worker.settings import AgentSettings
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = f"agent-test-{uuid.uuid4().hex[:8]}"
+SPARE_ON = {"RELAUNCH_AGENT_SPARE_LAUNCHER": "true"}
 
 _SHORT = textwrap.dedent(
     """
@@ -494,7 +495,7 @@ def test_an_agent_keeps_one_spare_launcher_without_credentials_and_replaces_it_w
     cleanup: list[subprocess.Popen[bytes]],
 ) -> None:
     _, url = controller
-    agent = _start_agent(tmp_path, url, "agent.log")
+    agent = _start_agent(tmp_path, url, "agent.log", extra_env=SPARE_ON)
     cleanup.append(agent)
     work_dir = tmp_path / "agent"
     (spare,) = wait_for("a spare launcher", lambda: _spares_of(work_dir), timeout_s=30)
@@ -543,7 +544,7 @@ def test_a_restarted_agent_ends_the_spare_launcher_its_previous_life_left(
         wait_for(
             "the leftover to show", lambda: leftover.pid in {p.pid for p in _spares_of(work_dir)}
         )
-        agent = _start_agent(tmp_path, url, "agent.log")
+        agent = _start_agent(tmp_path, url, "agent.log", extra_env=SPARE_ON)
         cleanup.append(agent)
         assert leftover.wait(30) == -signal.SIGTERM
         agent.send_signal(signal.SIGTERM)
@@ -554,15 +555,22 @@ def test_a_restarted_agent_ends_the_spare_launcher_its_previous_life_left(
             leftover.wait()
 
 
-def test_an_agent_without_warm_workers_keeps_no_spare_launcher(
+@pytest.mark.parametrize(
+    "extra_env",
+    [
+        {},  # spares are off unless asked for
+        {"RELAUNCH_AGENT_WARM_WORKERS": "false", "RELAUNCH_AGENT_SPARE_LAUNCHER": "true"},
+    ],
+    ids=["by-default", "without-warm-workers"],
+)
+def test_an_agent_keeps_no_spare_launcher_unless_asked_with_warm_workers(
     tmp_path: Path,
     controller: tuple[FakeController, str],
     cleanup: list[subprocess.Popen[bytes]],
+    extra_env: dict[str, str],
 ) -> None:
     fake, url = controller
-    agent = _start_agent(
-        tmp_path, url, "agent.log", extra_env={"RELAUNCH_AGENT_WARM_WORKERS": "false"}
-    )
+    agent = _start_agent(tmp_path, url, "agent.log", extra_env=extra_env)
     cleanup.append(agent)
     # The loop starts a spare before it registers, so by its second heartbeat it has one
     # if it keeps one at all.
