@@ -211,17 +211,23 @@ def spare_marker(settings: AgentSettings) -> dict[str, str]:
     return {SPARE_ENV: "1", AGENT_DIR_ENV: str(settings.work_dir.resolve())}
 
 
-def spare_env(settings: AgentSettings, base_env: Mapping[str, str]) -> dict[str, str]:
-    """A spare launcher's environment: the agent's, less what no launcher gets (its
-    settings and credentials, torchrun's defaults), with ``spare_marker``. Nothing of any
-    job's: a spare is started before any assignment."""
-    env = {
+def _for_launchers(base_env: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment less what no launcher gets: its settings and credentials,
+    and torchrun's defaults."""
+    return {
         k: v
         for k, v in base_env.items()
         if not k.startswith(_TORCHRUN_ENV_PREFIX)
         and k != _PREFIX_TEMPLATE_ENV
         and not _NOT_FOR_WORKERS.match(k)
     }
+
+
+def spare_env(settings: AgentSettings, base_env: Mapping[str, str]) -> dict[str, str]:
+    """A spare launcher's environment: the agent's, less what no launcher gets (its
+    settings and credentials, torchrun's defaults), with ``spare_marker``. Nothing of any
+    job's: a spare is started before any assignment."""
+    env = _for_launchers(base_env)
     env.update(spare_marker(settings))
     return env
 
@@ -243,13 +249,7 @@ def build_launcher_env(
     (``gpus.device_variables``, for a node of ``node_gpus`` GPUs), except OMP_NUM_THREADS
     where the job's env sets it, or else the agent's own environment (its operator's
     choice for every job)."""
-    env = {
-        k: v
-        for k, v in base_env.items()
-        if not k.startswith(_TORCHRUN_ENV_PREFIX)
-        and k != _PREFIX_TEMPLATE_ENV
-        and not _NOT_FOR_WORKERS.match(k)
-    }
+    env = _for_launchers(base_env)
     env.update(assignment.env)
     env.update(attempt_marker(settings, assignment.attempt_id))
     env.update(
