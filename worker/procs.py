@@ -88,6 +88,15 @@ class ProcessId:
         return proc if is_alive(proc) else None
 
 
+def rss_bytes(pid: int) -> int | None:
+    """The resident memory of process ``pid`` (from ``/proc/PID/statm``); None if gone."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def is_alive(proc: psutil.Process) -> bool:
     """Running and not a zombie (a zombie holds no resources; its parent reaps it)."""
     try:

@@ -200,11 +200,7 @@ class SpareLauncher:
         return self.ready_after_s is not None
 
     def rss_bytes(self) -> int | None:
-        try:
-            pages = int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
-        return pages * os.sysconf("SC_PAGE_SIZE")
+        return procs.rss_bytes(self.proc.pid)
 
     def hand_off(self, handoff: Handoff, path: Path) -> subprocess.Popen[bytes]:
         """Make this spare the launcher ``handoff`` describes; its ``Popen`` from then on.

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from worker import procs
 from worker.zygote import BOOTSTRAP, MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -317,11 +318,7 @@ class Zygote:
         self._reader.start()
 
     def rss_bytes(self) -> int | None:
-        try:
-            pages = int(Path(f"/proc/{self._proc.pid}/statm").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
-        return pages * os.sysconf("SC_PAGE_SIZE")
+        return procs.rss_bytes(self._proc.pid)
 
     def _read(self) -> None:
         try:
