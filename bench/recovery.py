@@ -214,10 +214,16 @@ class Relaunch:
     ``warm``: the agents' default, workers forked from a warm zygote; otherwise every
     worker starts as a new interpreter, as before warm starts."""
 
-    def __init__(self, work: Path, warm: bool = True) -> None:
-        self.name = "relaunch" if warm else COLD
-        self.agent_env = {} if warm else {"RELAUNCH_AGENT_WARM_WORKERS": "false"}
-        slug = "relaunch" if warm else "relaunch-cold"
+    def __init__(self, work: Path, warm: bool = True, spare: bool = False) -> None:
+        self.name = SPARE if spare else "relaunch" if warm else COLD
+        self.agent_env = (
+            {"RELAUNCH_AGENT_SPARE_LAUNCHER": "true"}
+            if spare
+            else {}
+            if warm
+            else {"RELAUNCH_AGENT_WARM_WORKERS": "false"}
+        )
+        slug = "relaunch-spare" if spare else "relaunch" if warm else "relaunch-cold"
         self.cluster = LocalCluster(data_dir=work / slug, port=free_port())
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
         # As root each job runs as a user of its own: its probe writes here, as in /tmp.
@@ -373,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds of undisturbed training before the fault over which steps/s is measured",
     )
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    parser.add_argument(
+        "--spare",
+        action="store_true",
+        help="also run relaunch with RELAUNCH_AGENT_SPARE_LAUNCHER=true, side by side",
+    )
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
@@ -389,9 +400,14 @@ def main(argv: list[str] | None = None) -> None:
         running.callback(relaunch.close)
         cold = Relaunch(work, warm=False)
         running.callback(cold.close)
+        systems: list[RawTorchrun | Relaunch] = [raw, cold, relaunch]
+        if args.spare:
+            spare = Relaunch(work, spare=True)
+            running.callback(spare.close)
+            systems.append(spare)
         for scenario in scenarios:
             for rep in range(args.repeats):
-                for system in (raw, cold, relaunch):
+                for system in systems:
                     index += 1
                     seconds, rate, recovery, started = run_trial(
                         system, scenario, index, args.timeout, args.window
@@ -417,7 +433,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 COLD = "relaunch, cold start"
-SYSTEMS = ("raw torchrun", COLD, "relaunch")
+SPARE = "relaunch, spare launcher"
+KNOWN_SYSTEMS = ("raw torchrun", COLD, "relaunch", SPARE)
+
+
+def _systems(trials: list[TrialResult]) -> list[str]:
+    """The systems that ran, in the tables' order."""
+    ran = {t.system for t in trials}
+    return [s for s in KNOWN_SYSTEMS if s in ran]
+
+
 PHASE_NAMES = [name for name, _ in anatomy.PHASES]
 
 
@@ -441,10 +466,10 @@ def _phase_medians(trials: list[TrialResult]) -> dict[str, dict[str, Any]]:
 
 def _throughput(trials: list[TrialResult]) -> dict[str, float | None]:
     medians: dict[str, float | None] = {}
-    for system in SYSTEMS:
+    for system in _systems(trials):
         rates = [t.steps_per_s for t in trials if t.system == system and t.steps_per_s]
         medians[system] = statistics.median(rates) if rates else None
-    raw, rl = medians["raw torchrun"], medians["relaunch"]
+    raw, rl = medians.get("raw torchrun"), medians.get("relaunch")
     medians["relaunch / raw torchrun"] = rl / raw if rl is not None and raw else None
     return medians
 
@@ -469,7 +494,7 @@ def figures(trials: list[TrialResult], args: argparse.Namespace) -> dict[str, An
     for trial in trials:
         medians.setdefault(trial.scenario, {})
     for scenario, by_system in medians.items():
-        for system in SYSTEMS:
+        for system in _systems(trials):
             chosen = [t for t in trials if t.scenario == scenario and t.system == system]
             rates = [t.steps_per_s for t in chosen if t.steps_per_s]
             by_system[system] = {
@@ -511,7 +536,7 @@ def print_phases(trials: list[TrialResult], scenarios: list[str], repeats: int) 
         table.add_column(col)
     natural = dict(zip(PHASE_NAMES, ["fault", *(m for _, m in anatomy.PHASES)], strict=False))
     for scenario in scenarios:
-        for system in SYSTEMS:
+        for system in _systems(trials):
             chosen = [t for t in trials if t.scenario == scenario and t.system == system]
             cells = []
             for name, phase in _phase_medians(chosen).items():
@@ -529,7 +554,7 @@ def print_throughput(trials: list[TrialResult], window: float) -> None:
         title=f"training throughput, steps/s over {window:.0f} s of undisturbed training at "
         "world size 2 (median of every trial)"
     )
-    columns = (*SYSTEMS, "relaunch / raw torchrun")
+    columns = (*_systems(trials), "relaunch / raw torchrun")
     for col in columns:
         table.add_column(col)
     rates = _throughput(trials)
@@ -539,7 +564,7 @@ def print_throughput(trials: list[TrialResult], window: float) -> None:
 
 def _starts(trials: list[TrialResult]) -> dict[str, float | None]:
     medians: dict[str, float | None] = {}
-    for system in SYSTEMS:
+    for system in _systems(trials):
         starts = [t.start_s for t in trials if t.system == system and t.start_s is not None]
         medians[system] = statistics.median(starts) if starts else None
     return medians
@@ -550,10 +575,11 @@ def print_start(trials: list[TrialResult]) -> None:
         title="seconds from submitting the job (raw torchrun: starting its first agent) to its "
         "first step at world size 2, on idle nodes (median of every trial)"
     )
-    for col in SYSTEMS:
+    systems = _systems(trials)
+    for col in systems:
         table.add_column(col)
     starts = _starts(trials)
-    table.add_row(*("-" if starts[k] is None else f"{starts[k]:.1f}" for k in SYSTEMS))
+    table.add_row(*("-" if starts[k] is None else f"{starts[k]:.1f}" for k in systems))
     console.print(table)
 
 
@@ -579,18 +605,22 @@ def print_table(
         title=f"seconds from fault to first step at the new world size "
         f"(median of {repeats}; 'never' = not within {timeout:.0f} s)"
     )
-    for col in ("scenario", "fault", *SYSTEMS, "raw / relaunch", "cold / warm"):
+    systems = [s for s in KNOWN_SYSTEMS if any(key[1] == s for key in results)]
+    ratios = ["raw / relaunch", "cold / warm"] + (["warm / spare"] if SPARE in systems else [])
+    for col in ("scenario", "fault", *systems, *ratios):
         table.add_column(col)
     for scenario in scenarios:
-        values = {system: results.get((scenario, system), []) for system in SYSTEMS}
+        values = {system: results.get((scenario, system), []) for system in systems}
         medians = {system: _median(found) for system, found in values.items()}
-        raw, cold, rl = (medians[system] for system in SYSTEMS)
+        raw, cold, rl = (medians.get(system) for system in ("raw torchrun", COLD, "relaunch"))
+        spare = [_ratio(rl, medians[SPARE])] if SPARE in systems else []
         table.add_row(
             scenario,
             SCENARIOS[scenario][0],
-            *(_cell(medians[system], values[system]) for system in SYSTEMS),
+            *(_cell(medians[system], values[system]) for system in systems),
             _ratio(raw, rl),
             _ratio(cold, rl),
+            *spare,
         )
     console.print(table)
 
