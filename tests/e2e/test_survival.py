@@ -95,7 +95,10 @@ def test_a_node_drops_out_and_a_new_one_joins_without_a_restart(
 ) -> None:
     tag = f"drop{victim_rank}"
     start_nodes(cluster, nodes, f"{tag}-a", f"{tag}-b")
-    job_id = client.submit(regression(tag, "1:2"))["id"]
+    # Slow enough steps that the job is still training at world size 1 when the new node's
+    # agent, launcher and zygote have started: on a loaded 2-core machine that took up to
+    # 12 s, and at 0.1 s a step the job used to finish first (about 8 s after the kill).
+    job_id = client.submit(regression(tag, "1:2", params={"step_delay": 0.25}))["id"]
     wait_world_size(client, job_id, 2, after_step=6)
     victim = node_of_rank(cluster, job_id, victim_rank)
 
