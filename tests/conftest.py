@@ -23,6 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from service.db import upgrade_to_head
 from tests.helpers import REPO_ROOT, FakeClock, let_jobs_pass, subprocess_environ
 
 PG_ADMIN_URL = os.environ.get("RELAUNCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -100,25 +101,67 @@ def _pg_url(dbname: str) -> str:
     return f"{base}/{dbname}"
 
 
+def _create_pg_database(name: str, template: str | None = None) -> None:
+    copy = f' TEMPLATE "{template}"' if template else ""
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')
+
+
+def _drop_pg_database(name: str) -> None:
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def pg_database() -> Iterator[str]:
     """A fresh, empty PostgreSQL database, dropped afterwards."""
     name = f"relaunch_t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+    _create_pg_database(name)
     try:
         yield _pg_url(name)
     finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        _drop_pg_database(name)
+
+
+@pytest.fixture(scope="session")
+def pg_head_template() -> Iterator[str]:
+    """A PostgreSQL database that ``upgrade head`` migrated once in this run, which
+    ``pg_database_at_head`` copies; nothing connects to it after that (PostgreSQL copies
+    only a database no one is connected to). Dropped at the end of the run."""
+    name = f"relaunch_t_head_{uuid.uuid4().hex[:12]}"
+    _create_pg_database(name)
+    try:
+        upgrade_to_head(_pg_url(name))
+        yield name
+    finally:
+        _drop_pg_database(name)
+
+
+@pytest.fixture
+def pg_database_at_head(pg_head_template: str) -> Iterator[str]:
+    """A fresh PostgreSQL database already at the migrations' head: a copy of what they
+    made of an empty one, without running them again (most of the cost of a controller's
+    first start on PostgreSQL). Dropped afterwards."""
+    name = f"relaunch_t_{uuid.uuid4().hex[:12]}"
+    _create_pg_database(name, template=pg_head_template)
+    try:
+        yield _pg_url(name)
+    finally:
+        _drop_pg_database(name)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Each database test runs once on SQLite and once on PostgreSQL."""
+    """Each database test runs once on SQLite and once on PostgreSQL.
+
+    Empty, except where the test starts the controller's app on it (it uses ``settings``):
+    there the PostgreSQL one is already at head (``pg_database_at_head``), so the app's own
+    ``upgrade head`` at start finds nothing to do. On SQLite that finding costs as much as
+    migrating an empty file, so the file is left to the app to make."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'relaunch.db'}"
-    url: str = request.getfixturevalue("pg_database")
+    at_head = "settings" in request.fixturenames
+    url: str = request.getfixturevalue("pg_database_at_head" if at_head else "pg_database")
     return url
 
 
