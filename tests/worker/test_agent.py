@@ -137,28 +137,3 @@ def test_a_stopping_agent_says_it_leaves_and_survives_a_controller_that_is_down(
     agent.request_stop()
     agent.run()  # the controller is down: the node times out there instead
     assert client.calls[-1] == "leave 7"
-
-
-class StubSpare:
-    """Stands for a ``SpareLauncher``: only whether it has loaded matters here."""
-
-    def __init__(self, loaded: bool) -> None:
-        self.loaded = loaded
-
-    def ready(self) -> bool:
-        return self.loaded
-
-
-def test_only_a_loaded_spare_is_handed_an_attempt(tmp_path: Path) -> None:
-    """A spare still importing would start the job's zygote only after its own imports,
-    later than a new launcher would: it stays the spare, and the attempt gets a new one."""
-    agent, _, clock = _agent(tmp_path)
-    loading = StubSpare(loaded=False)
-    agent._spare = loading  # type: ignore[assignment]
-    assert agent._take_spare() is None
-    assert agent._spare is loading
-
-    loading.loaded = True
-    assert agent._take_spare() is loading
-    assert agent._spare is None
-    assert agent._next_spare > clock.now
