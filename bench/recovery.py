@@ -508,6 +508,7 @@ def figures(trials: list[TrialResult], args: argparse.Namespace) -> dict[str, An
             "scenarios": [s for s in args.scenarios.split(",") if s],
             "timeout_s": args.timeout,
             "window_s": args.window,
+            "spare": args.spare,
         },
         "trials": [
             {

@@ -70,7 +70,9 @@ def test_relaunch_adds_the_controllers_failure_and_rendezvous(tmp_path: Path) ->
         ),
         TrialResult("worker_kill", "relaunch", 1, 6.5, 1.9, recovery),
     ]
-    args = argparse.Namespace(repeats=1, scenarios="worker_kill", timeout=60.0, window=5.0)
+    args = argparse.Namespace(
+        repeats=1, scenarios="worker_kill", timeout=60.0, window=5.0, spare=False
+    )
     data = json.loads(json.dumps(figures(trials, args)))
     assert [t["recovery_s"] for t in data["trials"]] == [None, 6.5]
     medians = data["medians"]["worker_kill"]
