@@ -211,19 +211,13 @@ class RawTorchrun:
 
 class Relaunch:
     """Nodes are relaunch agents; the job is the same probe script, submitted over REST.
-    ``warm``: the agents' default, workers forked from a warm zygote; otherwise every
-    worker starts as a new interpreter, as before warm starts."""
+    ``name`` picks the agents' settings (``VARIANTS``): the defaults, workers forked from a
+    warm zygote; every worker started as a new interpreter, as before warm starts; or a
+    spare launcher kept loaded."""
 
-    def __init__(self, work: Path, warm: bool = True, spare: bool = False) -> None:
-        self.name = SPARE if spare else "relaunch" if warm else COLD
-        self.agent_env = (
-            {"RELAUNCH_AGENT_SPARE_LAUNCHER": "true"}
-            if spare
-            else {}
-            if warm
-            else {"RELAUNCH_AGENT_WARM_WORKERS": "false"}
-        )
-        slug = "relaunch-spare" if spare else "relaunch" if warm else "relaunch-cold"
+    def __init__(self, work: Path, name: str = "relaunch") -> None:
+        self.name = name
+        self.agent_env, slug = VARIANTS[name]
         self.cluster = LocalCluster(data_dir=work / slug, port=free_port())
         self.cluster.data_dir.mkdir(parents=True, exist_ok=True)
         # As root each job runs as a user of its own: its probe writes here, as in /tmp.
@@ -398,11 +392,11 @@ def main(argv: list[str] | None = None) -> None:
         raw = RawTorchrun(work)
         relaunch = Relaunch(work)
         running.callback(relaunch.close)
-        cold = Relaunch(work, warm=False)
+        cold = Relaunch(work, COLD)
         running.callback(cold.close)
         systems: list[RawTorchrun | Relaunch] = [raw, cold, relaunch]
         if args.spare:
-            spare = Relaunch(work, spare=True)
+            spare = Relaunch(work, SPARE)
             running.callback(spare.close)
             systems.append(spare)
         for scenario in scenarios:
@@ -435,6 +429,12 @@ def main(argv: list[str] | None = None) -> None:
 COLD = "relaunch, cold start"
 SPARE = "relaunch, spare launcher"
 KNOWN_SYSTEMS = ("raw torchrun", COLD, "relaunch", SPARE)
+# Relaunch's variants: the agents' extra environment, and the directory their cluster uses.
+VARIANTS: dict[str, tuple[dict[str, str], str]] = {
+    "relaunch": ({}, "relaunch"),
+    COLD: ({"RELAUNCH_AGENT_WARM_WORKERS": "false"}, "relaunch-cold"),
+    SPARE: ({"RELAUNCH_AGENT_SPARE_LAUNCHER": "true"}, "relaunch-spare"),
+}
 
 
 def _systems(trials: list[TrialResult]) -> list[str]:
