@@ -18,6 +18,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -101,26 +102,26 @@ def _pg_url(dbname: str) -> str:
     return f"{base}/{dbname}"
 
 
-def _create_pg_database(name: str, template: str | None = None) -> None:
+@contextmanager
+def _scratch_pg_database(prefix: str, template: str | None = None) -> Iterator[str]:
+    """The name of a new PostgreSQL database (a copy of ``template``, else empty), dropped
+    on leaving."""
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
     copy = f' TEMPLATE "{template}"' if template else ""
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"{copy}')
-
-
-def _drop_pg_database(name: str) -> None:
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    try:
+        yield name
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
 def pg_database() -> Iterator[str]:
     """A fresh, empty PostgreSQL database, dropped afterwards."""
-    name = f"relaunch_t_{uuid.uuid4().hex[:12]}"
-    _create_pg_database(name)
-    try:
+    with _scratch_pg_database("relaunch_t_") as name:
         yield _pg_url(name)
-    finally:
-        _drop_pg_database(name)
 
 
 @pytest.fixture(scope="session")
@@ -128,13 +129,9 @@ def pg_head_template() -> Iterator[str]:
     """A PostgreSQL database that ``upgrade head`` migrated once in this run, which
     ``pg_database_at_head`` copies; nothing connects to it after that (PostgreSQL copies
     only a database no one is connected to). Dropped at the end of the run."""
-    name = f"relaunch_t_head_{uuid.uuid4().hex[:12]}"
-    _create_pg_database(name)
-    try:
+    with _scratch_pg_database("relaunch_t_head_") as name:
         upgrade_to_head(_pg_url(name))
         yield name
-    finally:
-        _drop_pg_database(name)
 
 
 @pytest.fixture
@@ -142,12 +139,8 @@ def pg_database_at_head(pg_head_template: str) -> Iterator[str]:
     """A fresh PostgreSQL database already at the migrations' head: a copy of what they
     made of an empty one, without running them again (most of the cost of a controller's
     first start on PostgreSQL). Dropped afterwards."""
-    name = f"relaunch_t_{uuid.uuid4().hex[:12]}"
-    _create_pg_database(name, template=pg_head_template)
-    try:
+    with _scratch_pg_database("relaunch_t_", template=pg_head_template) as name:
         yield _pg_url(name)
-    finally:
-        _drop_pg_database(name)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
