@@ -63,7 +63,7 @@ from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
 from worker.sandbox import WorkerSandbox, enter
-from worker.warm import Zygote
+from worker.warm import Zygote, discard_spare
 
 logger = logging.getLogger(__name__)
 
@@ -573,6 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.sandbox is not None:
             warm = WarmEvents(events) if ns.warm_workers else None
             refusal = enter(ns.sandbox, warm)
+        discard_spare()  # a spare launcher's zygote that this attempt's workers do not use
         if refusal is not None:
             logger.error("%s cannot start the workers: %s", _CTX, refusal)
             events.emit(

@@ -20,6 +20,11 @@ entered, stdin on ``/dev/null``, then ``worker.launch.main`` with the arguments.
 stdout and stderr are the pipes the agent made when it started the spare, read by the
 attempt from the hand-off on. EOF on stdin (the agent is gone, or gave it up) ends it.
 
+Beside it runs a spare zygote (``worker.warm.SpareZygote``), started first, which
+imports torch as a job's zygote does; the spare says it has loaded once both have (or
+after ``ZYGOTE_WAIT_S``). Handed an attempt, the launcher offers it to the attempt's
+warm starts, which hand it the job (``worker.zygote.adopt``) where it can be that job's.
+
 A spare serves one attempt and is never handed back: the agent starts another.
 """
 
@@ -29,6 +34,7 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -41,6 +47,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from worker import procs
+from worker.warm import SpareZygote
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,10 @@ SPARE_ENV = "RELAUNCH_NODE_SPARE"
 RESPAWN_AFTER_HANDOFF_S = 30.0
 # A spare that died before it was used is replaced no sooner than this.
 RESPAWN_AFTER_DEATH_S = 10.0
+# The spare zygote's HOME and TMPDIR, in the spare's directory.
+ZYGOTE_HOME = "zygote"
+# A spare says it has loaded once its zygote has too, or after this long without it.
+ZYGOTE_WAIT_S = 120.0
 
 
 class Handoff(BaseModel):
@@ -121,22 +132,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs.set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != ns.parent_pid:
         return 1
+    zygote = _start_zygote()  # first: its imports are the longer
     preload()
+    if zygote is not None:
+        _wait_loaded(zygote)
     with contextlib.suppress(BrokenPipeError):  # handed off before it loaded: no one asks
         os.write(ns.ready_fd, b"1")
     os.close(ns.ready_fd)
     line = sys.stdin.buffer.readline(4096)
     if not line.strip():
-        return 0  # the agent gave this spare up
+        return 0  # the agent gave this spare up (its zygote reads EOF and ends)
     try:
         handoff = read_handoff(Path(line.decode().strip()))
         become(handoff)
     except (OSError, ValueError) as exc:
         print(f"relaunch spare launcher: bad hand-off: {exc}", file=sys.stderr)
         return 1
-    from worker import launch
+    from worker import launch, warm
 
+    if zygote is not None:
+        warm.offer_spare(zygote)
     return launch.main(handoff.argv)
+
+
+def _start_zygote() -> SpareZygote | None:
+    """A spare zygote beside this spare launcher: this one's environment, with HOME and
+    TMPDIR in a directory of root's alone (what its imports make there, torch's compile
+    cache directory, no job can have planted a link in)."""
+    home = Path.cwd() / ZYGOTE_HOME
+    try:
+        home.mkdir(mode=0o700, exist_ok=True)
+        info = home.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise OSError(f"{home} is not a directory of this user's")
+        home.chmod(0o700)
+        env = {**os.environ, "HOME": str(home), "TMPDIR": str(home)}
+        return SpareZygote(env, Path.cwd())
+    except OSError as exc:
+        print(f"relaunch spare launcher: no spare zygote: {exc}", file=sys.stderr)
+        return None
+
+
+def _wait_loaded(zygote: SpareZygote) -> None:
+    """Until the spare zygote has loaded, a hand-off comes, or ``ZYGOTE_WAIT_S``."""
+    deadline = time.monotonic() + ZYGOTE_WAIT_S
+    poller = select.poll()
+    poller.register(zygote.sock.fileno(), select.POLLIN)
+    poller.register(sys.stdin.fileno(), select.POLLIN)
+    while time.monotonic() < deadline:
+        ready = {fd for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000)}
+        if sys.stdin.fileno() in ready:
+            return  # the attempt comes first; the launcher takes the zygote as it is
+        if zygote.sock.fileno() in ready:
+            zygote.wait_loaded(0)
+            return
 
 
 @dataclass

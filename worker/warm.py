@@ -83,6 +83,110 @@ PER_WORKER_VARIABLES = frozenset(
 PER_WORKER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_")
 
 
+# What acts only when an interpreter, or a library it loads, starts: a job whose
+# environment sets one otherwise than a spare zygote's (loaded before the job) has a
+# zygote started for it instead, as before. Other variables are read when used.
+START_PREFIXES = (
+    "PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "TORCH", "PYTORCH", "TRITON", "CUDA",
+    "NVIDIA", "CUBLAS", "CUDNN", "KINETO", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
+    "GOTO", "NPY_", "NUMPY_", "SYMPY_", "XDG_", "SSL_", "OPENSSL_",
+)  # fmt: skip
+START_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "TERMINFO"})
+# Read by the imports, and read again as the job's user by a spare zygote that adopts a
+# job (``worker.zygote._recompute_user_state``).
+RECOMPUTED_VARIABLES = frozenset({"HOME", "TMPDIR", "TMP", "TEMP", "USER", "LOGNAME"})
+
+
+def spare_refusal(job_env: Mapping[str, str], spare_env: Mapping[str, str]) -> str | None:
+    """Why a spare zygote, loaded with ``spare_env``, cannot become the zygote of a job
+    whose zygote would start with ``job_env``; None if it can."""
+    for name in sorted(set(job_env) | set(spare_env)):
+        if job_env.get(name) == spare_env.get(name):
+            continue
+        if name in PER_WORKER_VARIABLES or name.startswith(PER_WORKER_PREFIXES):
+            continue
+        if name in RECOMPUTED_VARIABLES:
+            continue
+        if name in START_NAMES or name.startswith(START_PREFIXES):
+            return f"the job's {name} differs from the spare zygote's (read at start-up)"
+    return None
+
+
+class SpareZygote:
+    """A zygote loaded before any job (``worker.zygote --spare``): root's, with the
+    spare launcher's environment less nothing and plus nothing of any job's, in a
+    root-only directory, until one launcher hands it its job (``Zygote(spare=)``)."""
+
+    def __init__(self, env: Mapping[str, str], cwd: Path) -> None:
+        self.env = dict(env)
+        self.import_s: float | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = ours
+        try:
+            command = [sys.executable, "-u", "-m", "worker.zygote", "--spare"]
+            command += ["--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+            self.proc = subprocess.Popen(
+                command,
+                env=self.env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """Whether it has loaded within ``timeout`` (its ``loaded`` message is taken)."""
+        if self.import_s is not None:
+            return True
+        if not _readable(self.sock.fileno(), timeout):
+            return False
+        try:
+            message = json.loads(self.sock.recv(MAX_MESSAGE_BYTES) or b"{}")
+            if not isinstance(message, dict) or "loaded" not in message:
+                raise ValueError(f"not a loaded message: {message!r:.80}")
+            self.import_s = float(message["import_s"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self.stop()  # it ended, or said what a spare does not say
+            return False
+        return True
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+# The spare zygote this process (a spare launcher that became one attempt's launcher)
+# brought with it: taken once, by the attempt's ``WarmStarter``.
+_spare: SpareZygote | None = None
+
+
+def offer_spare(spare: SpareZygote) -> None:
+    global _spare
+    _spare = spare
+
+
+def take_spare() -> SpareZygote | None:
+    global _spare
+    spare, _spare = _spare, None
+    return spare
+
+
+def discard_spare() -> None:
+    """End a spare zygote that no ``WarmStarter`` took (warm starts are off)."""
+    spare = take_spare()
+    if spare is not None:
+        spare.stop()
+
+
 def cold_start_reason(
     args: Sequence[str], worker_env: Mapping[str, str], zygote_env: Mapping[str, str]
 ) -> str | None:
@@ -282,9 +386,12 @@ class Zygote:
         uid: int | None,
         popen_kwargs: Mapping[str, Any],
         on_change: Callable[[Zygote, str, str], None],
+        spare: SpareZygote | None = None,
     ) -> None:
         self.env = dict(env)
         self.uid = uid
+        self.spare = spare is not None
+        self.refusal: str | None = None  # a spare's, when it would not adopt the job
         self.pid: int | None = None
         self.import_s: float | None = None
         self.ready = threading.Event()
@@ -294,6 +401,36 @@ class Zygote:
         self._next_id = 0
         self._pending: dict[int, _Pending] = {}
         self._workers: dict[int, ForkedProcess] = {}
+        if spare is not None:
+            self._sock = spare.sock
+            self._proc = spare.proc
+            self._adopt(popen_kwargs)
+        else:
+            self._start(popen_kwargs)
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    def _adopt(self, popen_kwargs: Mapping[str, Any]) -> None:
+        """Hand the spare this job: its user, environment, working directory (this
+        launcher's own, the job's) and priority (this launcher's, as a child's would be)."""
+        adoption = {
+            "uid": popen_kwargs.get("user"),
+            "gid": popen_kwargs.get("group"),
+            "env": self.env,
+            "cwd": os.getcwd(),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        }
+        payload = json.dumps({"adopt": adoption}).encode()
+        try:
+            if len(payload) > MAX_MESSAGE_BYTES:
+                raise OSError("the job's environment is too large for one message")
+            self._sock.sendmsg([payload], [], socket.MSG_DONTWAIT)
+        except OSError:
+            self.stop()
+            self._sock.close()
+            raise
+
+    def _start(self, popen_kwargs: Mapping[str, Any]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         try:
@@ -314,8 +451,6 @@ class Zygote:
             raise
         finally:
             theirs.close()
-        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
-        self._reader.start()
 
     def rss_bytes(self) -> int | None:
         return procs.rss_bytes(self._proc.pid)
@@ -353,7 +488,13 @@ class Zygote:
             self.pid = self._proc.pid
             self.import_s = float(message.get("import_s") or 0.0)
             self.ready.set()
-            self._on_change(self, "ready", f"warm zygote pid {self.pid} ready")
+            how = ", a spare loaded before the job" if self.spare else ""
+            self._on_change(self, "ready", f"warm zygote pid {self.pid} ready{how}")
+        elif "loaded" in message and self.spare and self.pid is None:
+            pass  # a spare handed its job before it had loaded; its answer follows
+        elif "refused" in message and self.spare and self.pid is None:
+            self.refusal = str(message.get("reason") or "no reason given")[:300]
+            raise ZygoteBroke(f"the spare zygote would not adopt the job: {self.refusal}")
         elif "exited" in message:
             worker = self._workers.pop(int(message["exited"]), None)
             if worker is not None:
@@ -492,16 +633,35 @@ class WarmStarter:
         self._stopping = False
         self.zygote: Zygote | None = None
         self.given_up: str | None = None
-        self._start()
+        self._spare_note: str | None = None  # why the spare zygote was not used
+        self._start_first()
 
-    def _start(self) -> None:
+    def _start(self, spare: SpareZygote | None = None) -> None:
         try:
             self.zygote = Zygote(
                 env=self._env, uid=self._uid, popen_kwargs=self._popen_kwargs,
-                on_change=self._changed,
+                on_change=self._changed, spare=spare,
             )  # fmt: skip
         except OSError as exc:
+            if spare is not None:
+                self._spare_note = f"the spare zygote could not be reached: {exc}"
+                self._start()
+                return
             self._give_up(f"cannot start the zygote: {exc}", None)
+
+    def _start_first(self) -> None:
+        """The spare zygote this launcher brought, if it can be this job's; else a new one."""
+        spare = take_spare()
+        if spare is not None:
+            why = spare_refusal(self._env, spare.env)
+            if why is None and spare.proc.poll() is not None:
+                why = f"the spare zygote had ended (exit {spare.proc.returncode})"
+            if why is None:
+                self._start(spare)
+                return
+            self._spare_note = why
+            spare.stop()
+        self._start()
 
     def _give_up(self, why: str, zygote: Zygote | None) -> None:
         self.given_up = why
@@ -510,10 +670,23 @@ class WarmStarter:
 
     def _changed(self, zygote: Zygote, state: str, message: str) -> None:
         if state == "ready":
+            if self._spare_note is not None:
+                message = f"{message} (the spare zygote was not used: {self._spare_note})"
+                self._spare_note = None
             self._on_event("ready", message, zygote)
             return
         with self._lock:
             if self._stopping or zygote is not self.zygote:
+                return
+            if zygote.spare and zygote.pid is None:
+                # A spare that would not adopt the job, or died first: not a loss of
+                # this job's zygote, which is started now as it would have been.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    zygote._proc.wait(5)
+                self._spare_note = zygote.refusal or (
+                    f"the spare zygote ended (exit {zygote._proc.poll()}) before it adopted the job"
+                )
+                self._start()
                 return
             self._losses += 1
             with contextlib.suppress(subprocess.TimeoutExpired):

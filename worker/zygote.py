@@ -22,6 +22,17 @@ The protocol is JSON, one message per ``SOCK_SEQPACKET`` packet:
   or ``{"refused": id, "reason": "..."}``, and ``{"exited": pid, "returncode": r}``
   (``subprocess.Popen``'s convention: ``-N`` for signal N) for every worker it reaps.
 
+A spare zygote (``--spare``, ``worker.spare`` starts one beside each spare launcher)
+is started before any job, as root, with no job's variables, in a root-only
+directory. Once loaded it says ``{"loaded": pid, "import_s": s}`` and waits for one
+``{"adopt": {"uid", "gid", "env", "cwd", "nice"}}``: it drops to the job's user
+first (``adopt``), and only then takes the job's environment and working directory,
+puts right what its imports computed from root's (``_recompute_user_state``), and
+checks that a cold start as that user would have imported the same modules
+(``adoption_refusal``). Then it says ``ready`` (or ``refused`` and exits) and serves
+as any zygote. What a job can set that acts only when an interpreter starts is the
+launcher's to refuse before it asks (``worker.warm.spare_refusal``).
+
 In the child of a fork, ``serve`` returns the request and ``main`` turns the
 process into the worker (``become``): a new session, the output files on 1 and 2,
 every other descriptor closed, the worker's environment and working directory,
@@ -58,7 +69,8 @@ BOOTSTRAP = ("-m", "worker.bootstrap")
 # Thread pools that libgomp and MKL size when torch is loaded: a worker whose
 # environment asks for another size has it set after the fork.
 _THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-# The zygote's name in ps and /proc/PID/comm; its workers take back the interpreter's.
+# What libgomp and MKL read when torch was loaded here (a spare's, not its job's).
+_THREAD_COUNTS_AT_START = {name: os.environ.get(name) for name in _THREAD_COUNT_VARIABLES}
 
 
 # Top-level modules that a cold worker has imported before its script's directory goes
@@ -372,19 +384,177 @@ def become(request: Request) -> list[str]:
         os.setsid()
     _redirect(request)
     os.chdir(request.cwd)
-    before = {name: os.environ.get(name) for name in _THREAD_COUNT_VARIABLES}
     os.environ.clear()
     os.environ.update(request.env)
-    _apply_thread_counts(before)
+    _recompute_compile_cache()
+    _apply_thread_counts(_THREAD_COUNTS_AT_START)
     _reseed()
     return request.argv[len(BOOTSTRAP) :]
+
+
+PR_SET_DUMPABLE = 4
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """What makes a spare zygote one job's: its user (None: keep this one), environment,
+    working directory and scheduling priority (None: keep this one)."""
+
+    uid: int | None
+    gid: int | None
+    env: dict[str, str]
+    cwd: str
+    nice: int | None
+
+    @classmethod
+    def parse(cls, payload: bytes) -> Adoption:
+        message = json.loads(payload)
+        body = message["adopt"]
+        uid, gid, nice = body.get("uid"), body.get("gid"), body.get("nice")
+        env, cwd = body["env"], body["cwd"]
+        if (uid is None) != (gid is None):
+            raise ValueError("uid and gid come together")
+        for name, value in (("uid", uid), ("gid", gid), ("nice", nice)):
+            if value is not None and (type(value) is not int or (name != "nice" and value <= 0)):
+                raise ValueError(f"{name} must be a positive integer")
+        if not isinstance(cwd, str) or not os.path.isabs(cwd):
+            raise ValueError("cwd must be an absolute path")
+        if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+            raise ValueError("env must map names to strings")
+        if any("=" in k or "\x00" in k or "\x00" in v or not k for k, v in env.items()):
+            raise ValueError("env holds a name or value that no environment can")
+        return cls(uid=uid, gid=gid, env=env, cwd=cwd, nice=nice)
+
+
+def _set_dumpable() -> None:
+    """A process that changed its uids is not dumpable, so its own user could not read its
+    /proc files, trace it or get its core; a worker exec'd as that user is. Made so again
+    once nothing of root's is left in it."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_DUMPABLE): {os.strerror(err)}")
+
+
+def _drop_to(uid: int, gid: int) -> None:
+    """Become ``uid``/``gid`` with no supplementary groups, for good (real, effective and
+    saved ids, so no way back); ``PermissionError`` if that is not what the kernel says."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
+        raise PermissionError(f"could not drop to uid {uid}, gid {gid}")
+    _set_dumpable()
+
+
+def _recompute_user_state() -> None:
+    """What the imports computed from the user, HOME, TMPDIR and the working directory,
+    computed again as the job's user in the job's environment, as a cold start has it.
+
+    The state that differs (compared by ``tests/worker/test_warm.py``): ``sys.path[0]``
+    (the working directory under ``python -m``), ``tempfile.tempdir``, the user site
+    (``site.USER_BASE``/``USER_SITE``, sysconfig's ``userbase``), and torch's compile
+    cache directory (``TORCHINDUCTOR_CACHE_DIR``, made by ``torch._dynamo``'s import and
+    kept by its ``DynamoCache``)."""
+    import site
+    import sysconfig
+    import tempfile
+
+    sys.path[0] = os.getcwd()
+    tempfile.tempdir = None
+    tempfile.gettempdir()
+    site.USER_BASE = None
+    site.USER_SITE = None
+    site.getusersitepackages()
+    config = sysconfig.get_config_vars()
+    if "userbase" in config:
+        config["userbase"] = site.USER_BASE
+    _recompute_compile_cache()
+
+
+def _recompute_compile_cache() -> None:
+    """torch's compile cache directory as importing ``torch._dynamo`` here, now, would
+    make it: from ``TORCHINDUCTOR_CACHE_DIR``, else the user and the temp directory; set in
+    ``os.environ`` and made if missing (torch 2.13's ``torch._dynamo.package``; nothing
+    where a torch has no such module)."""
+    package = sys.modules.get("torch._dynamo.package")
+    cache = getattr(package, "DynamoCache", None)
+    if package is not None and hasattr(cache, "_path_prefix") and hasattr(package, "cache_dir"):
+        cache._path_prefix = os.path.join(package.cache_dir(), "dynamo")  # type: ignore[union-attr]
+
+
+def adoption_refusal(cwd: str) -> str | None:
+    """Why this zygote, loaded elsewhere, is not what a cold start in ``cwd`` as this
+    user would be; None if it is. Checked with the job's permissions.
+
+    A cold zygote has ``cwd`` first on ``sys.path`` and the user's site-packages after
+    the system's (when they exist): a module there would have been imported in place of
+    the one loaded here."""
+    import site
+
+    if site.ENABLE_USER_SITE and site.USER_SITE and os.path.isdir(site.USER_SITE):
+        return f"the job's user site-packages ({site.USER_SITE}) would be on a cold sys.path"
+    try:
+        names = _module_names(cwd)
+    except OSError as exc:
+        return f"cannot list the working directory {cwd} as the job's user: {exc.strerror}"
+    for name in sorted(names & _top_level_modules()):
+        origin = getattr(sys.modules.get(name), "__file__", None) or ""
+        if origin and not origin.startswith(os.path.join(cwd, "")):
+            return f"the working directory holds {name!r}, which the spare took from elsewhere"
+    return None
+
+
+def adopt(adoption: Adoption) -> str | None:
+    """Become the zygote a cold start of this job would have been; why not, or None.
+
+    The order is the point: the priority is set while root may still raise it, the
+    user is dropped next, and only then is anything of the job's taken (its working
+    directory, entered with its permissions; its environment). A refusal leaves a
+    process that can serve no one: the caller ends it."""
+    if adoption.nice is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, adoption.nice)
+    if adoption.uid is not None and adoption.gid is not None:
+        _drop_to(adoption.uid, adoption.gid)
+    try:
+        os.chdir(adoption.cwd)
+    except OSError as exc:
+        return f"cannot enter {adoption.cwd} as the job's user: {exc.strerror}"
+    os.environ.clear()
+    os.environ.update(adoption.env)
+    _recompute_user_state()
+    return adoption_refusal(os.getcwd())
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker.zygote")
     parser.add_argument("--fd", type=int, required=True, help="the socket to the launcher")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument(
+        "--spare", action="store_true", help="load, then wait to be adopted by one job"
+    )
     return parser.parse_args(list(argv))
+
+
+def _await_adoption(sock: socket.socket, import_s: float) -> None:
+    """A spare's wait: say it has loaded, take one adoption, adopt or exit."""
+    _send(sock, {"loaded": os.getpid(), "import_s": import_s})
+    payload, fds = _receive(sock)
+    for fd in fds:
+        os.close(fd)
+    if not payload:
+        sys.exit(0)  # its launcher is gone, or gave it up
+    try:
+        refusal = adopt(Adoption.parse(payload))
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        refusal = f"bad adoption: {exc}"
+    refusal = refusal or fork_refusal()
+    if refusal is not None:
+        _send(sock, {"refused": 0, "reason": refusal})
+        sys.exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -402,7 +572,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if refusal is not None:
         print(f"relaunch zygote: not serving: {refusal}", file=sys.stderr)
         sys.exit(1)
-    _send(sock, {"ready": os.getpid(), "import_s": round(time.monotonic() - started, 3)})
+    import_s = round(time.monotonic() - started, 3)
+    if ns.spare:
+        _await_adoption(sock, import_s)
+    _send(sock, {"ready": os.getpid(), "import_s": import_s, "spare": ns.spare})
     request = serve(sock)
     sys.argv = [sys.modules["worker.bootstrap"].__file__ or "", *become(request)]
     from worker import bootstrap

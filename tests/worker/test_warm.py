@@ -23,10 +23,22 @@ JOB_UID = 200_977  # no job of the suite's clusters gets this uid
 
 _FACTS = textwrap.dedent(
     """
-    import json, os, sys
+    import ctypes, getpass, json, os, site, sys, sysconfig, tempfile
     import numpy, torch
+    import torch._dynamo.package as dynamo_package
     import helper
+    status = open("/proc/self/status").read().splitlines()
     facts = {
+        "tmp": tempfile.gettempdir(),
+        "user_site": [site.USER_SITE, sysconfig.get_config_var("userbase")],
+        "user": getpass.getuser(),
+        "compile_cache": [
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR"), dynamo_package.DynamoCache._path_prefix
+        ],
+        "dumpable": ctypes.CDLL(None).prctl(3, 0, 0, 0, 0),
+        "caps": [line for line in status if line.startswith(("Cap", "NoNewPrivs", "Seccomp"))],
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "umask": os.umask(0o022),
         "argv": sys.argv,
         "file": __file__,
         "name": __name__,
@@ -109,6 +121,13 @@ def _drive(scenario: str, work: Path, uid: int | None = None) -> dict[str, Any]:
         "import random, sys\nsys.exit(0 if random.random else 3)\n"
     )
     (work / "beside" / "random.py").write_text("raise SystemExit(4)\n")
+    # A working directory with a module the zygote imported (pydantic's colorsys), which a
+    # cold zygote started there would take from there: this one works as the stdlib's.
+    (work / "withmodule").mkdir(exist_ok=True)
+    (work / "withmodule" / "colorsys.py").write_text(
+        "import os, sysconfig\n"
+        "exec(open(os.path.join(sysconfig.get_paths()['stdlib'], 'colorsys.py')).read())\n"
+    )
     planted = work / "planted" / "worker"
     planted.mkdir(parents=True, exist_ok=True)
     (planted / "__init__.py").write_text("")
@@ -169,6 +188,49 @@ def test_a_forked_worker_is_the_process_python_would_have_started(
     for how in ("cold_missing", "warm_missing"):
         assert result[how]["code"] == 1, result[how]
         assert "EntrypointNotFound" in result[how]["error_file"], result[how]
+
+
+@pytest.mark.parametrize("uid", [None, JOB_UID], ids=["same-user", "job-user"])
+def test_a_spare_zygote_loaded_as_root_becomes_the_zygote_a_cold_start_would_have_been(
+    tmp_path: Path, uid: int | None
+) -> None:
+    result = _drive("spare_fidelity", tmp_path, uid)
+    assert "a spare loaded before the job" in result["ready"], result["ready"]
+    cold, warm_one, warm_two = (_facts(result[k]) for k in ("cold", "warm", "warm2"))
+    assert len({cold.pop("random"), warm_one.pop("random"), warm_two.pop("random")}) == 3
+    for facts in (cold, warm_one, warm_two):
+        facts.pop("rank")
+    assert warm_one == cold, (warm_one, cold)
+    assert warm_two == cold
+    home = str(tmp_path / "home")
+    # What the spare's imports computed from root's HOME, TMPDIR and name, computed again.
+    assert cold["tmp"] == home
+    assert cold["user_site"][0].startswith(home + "/.local/")
+    assert cold["compile_cache"][0].startswith(home + "/torchinductor_")
+    assert cold["dumpable"] == 1
+    assert cold["threads_setting"] == 1
+    assert cold["path"][0] == str(tmp_path / "sub")
+    expected_uid = os.getuid() if uid is None else uid
+    assert cold["uids"] == [expected_uid] * 3
+    assert result["zygote_uid"] == expected_uid
+    if uid is not None:
+        assert cold["groups"] == []
+        assert cold["user"] == f"relaunch-{uid}"
+        # Nothing of root's powers is left: no capability in any set but the bound.
+        caps = dict(line.split(":\t") for line in cold["caps"])
+        assert all(int(caps[name], 16) == 0 for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"))
+
+
+def test_a_spare_zygote_is_passed_over_where_a_cold_start_would_import_otherwise(
+    tmp_path: Path,
+) -> None:
+    result = _drive("spare_refused", tmp_path, JOB_UID)
+    for case in ("env", "workdir"):
+        assert not result[case]["zygote_is_the_spare"], result
+        assert result[case]["spare_ended"] != 0 or case == "env", result
+        assert "the spare zygote was not used" in result[case]["message"], result
+    assert "PYTHONHASHSEED" in result["env"]["message"]
+    assert "'colorsys'" in result["workdir"]["message"]
 
 
 def test_torch_ends_a_forked_worker_through_its_session(tmp_path: Path) -> None:

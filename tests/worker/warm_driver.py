@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.sandbox import JobUser
-from worker.warm import ColdStart, ForkedProcess, WarmStarter
+from worker.warm import ColdStart, ForkedProcess, SpareZygote, WarmStarter, offer_spare
 
 BOOTSTRAP = [sys.executable, "-u", "-m", "worker.bootstrap"]
 
@@ -83,6 +83,65 @@ def _run_warm(
 def fidelity(work: Path, uid: int | None) -> dict[str, Any]:
     base = {**os.environ, "OMP_NUM_THREADS": "3"}
     starter, _ = _starter(work, uid, base)
+    return _compare(starter, base, work, uid)
+
+
+def spare_fidelity(work: Path, uid: int | None) -> dict[str, Any]:
+    """As ``fidelity``, the zygote being a spare loaded as root before the job, in a
+    directory of root's, with root's HOME, TMPDIR and names and no thread setting; the
+    job's are its own, as a launcher gives them (``worker.sandbox._prepare``)."""
+    spare_dir = work / "spare"
+    spare_dir.mkdir(mode=0o700)
+    spare_env = {**os.environ, "HOME": str(spare_dir), "TMPDIR": str(spare_dir)}
+    spare_env.update({"USER": "root", "LOGNAME": "root"})
+    spare_env.pop("OMP_NUM_THREADS", None)
+    home = work / "home"
+    home.mkdir()
+    if uid is not None:
+        os.chown(home, uid, uid)
+    base = {**os.environ, "OMP_NUM_THREADS": "3", "HOME": str(home), "TMPDIR": str(home)}
+    spare = SpareZygote(spare_env, spare_dir)
+    if not spare.wait_loaded(180):
+        raise SystemExit("the spare zygote did not load")
+    offer_spare(spare)
+    starter, recorder = _starter(work, uid, base)
+    result = _compare(starter, base, work, uid)
+    result["ready"] = recorder.events[0][1]
+    result["spare_pid"] = spare.proc.pid
+    return result
+
+
+def spare_refused(work: Path, uid: int | None) -> dict[str, Any]:
+    """A spare that cannot be the job's zygote: the job's environment sets a variable
+    read at start-up (refused by the launcher), or its working directory holds a module
+    the spare took from elsewhere (refused by the spare, as the job's user)."""
+    result: dict[str, Any] = {}
+    for case in ("env", "workdir"):
+        spare_dir = work / f"spare-{case}"
+        spare_dir.mkdir(mode=0o700)
+        spare = SpareZygote({**os.environ, "HOME": str(spare_dir)}, spare_dir)
+        env = dict(os.environ)
+        if case == "env":
+            env["PYTHONHASHSEED"] = "7"
+        else:
+            os.chdir(work / "withmodule")  # the launcher's working directory is the job's
+        offer_spare(spare)
+        starter, recorder = _starter(work, uid, env)
+        os.chdir(work)
+        zygote = starter.zygote
+        assert zygote is not None
+        result[case] = {
+            "message": recorder.events[0][1],
+            "spare_ended": spare.proc.wait(30),
+            "zygote_is_the_spare": zygote._proc.pid == spare.proc.pid,
+        }
+        starter.stop()
+    return result
+
+
+def _compare(
+    starter: WarmStarter, base: dict[str, str], work: Path, uid: int | None
+) -> dict[str, Any]:
     script = str(work / "sub" / "main.py")
     result: dict[str, Any] = {"zygote_uid": os.stat(f"/proc/{starter.zygote._proc.pid}").st_uid}  # type: ignore[union-attr]
     for how in ("cold", "warm", "warm2"):
