@@ -213,7 +213,7 @@ class Relaunch:
     """Nodes are relaunch agents; the job is the same probe script, submitted over REST.
     ``name`` picks the agents' settings (``VARIANTS``): the defaults, workers forked from a
     warm zygote; every worker started as a new interpreter, as before warm starts; or a
-    spare launcher kept loaded."""
+    spare launcher and spare zygote kept loaded."""
 
     def __init__(self, work: Path, name: str = "relaunch") -> None:
         self.name = name
@@ -230,6 +230,16 @@ class Relaunch:
     def close(self) -> None:
         self.client.close()
         self.cluster.stop_all()
+
+    def registered_at(self, agent: str, wait_s: float = 60.0) -> float | None:
+        """When the controller registered the node ``agent`` (its own clock, this machine's)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for node in self.client.nodes():
+                if node["name"] == agent:
+                    return datetime.fromisoformat(node["registered_at"]).timestamp()
+            time.sleep(0.2)
+        return None
 
     def recovery(self, trial: Trial, fault_at: float, world: int) -> anatomy.Recovery:
         """The controller's first recovery of the trial's job after the fault (the job's
@@ -298,6 +308,8 @@ class TrialResult:
     steps_per_s: float | None  # before the fault, at world size 2
     recovery: anatomy.Recovery
     start_s: float | None = None  # from submitting (starting the agents) to the first step
+    # node_add, relaunch: from the joining node's registration to the first step at 3
+    join_s: float | None = None
 
 
 def run_trial(
@@ -306,9 +318,10 @@ def run_trial(
     index: int,
     timeout_s: float,
     window_s: float,
-) -> tuple[float | None, float | None, anatomy.Recovery, float | None]:
+) -> tuple[float | None, float | None, anatomy.Recovery, float | None, float | None]:
     """(seconds to recover, steps/s before the fault, the recovery's phases, seconds from
-    submitting the job to its first step at world size 2)."""
+    submitting the job to its first step at world size 2, and for a node that joins
+    relaunch, seconds from its registration to the first step at world size 3)."""
     _, expected = SCENARIOS[scenario]
     with system.trial(index) as (trial, start_node):
         first = trial.first_step(0.0, 2, timeout_s=120)
@@ -331,7 +344,12 @@ def run_trial(
             start_node("c")
         seconds = trial.first_step(fault_at, expected, timeout_s)
         recovery = system.recovery(trial, fault_at, expected)
-        return seconds, steps_per_s, recovery, started
+        join_s = None
+        if scenario == "node_add" and seconds is not None and isinstance(system, Relaunch):
+            registered = system.registered_at(list(trial.nodes)[-1])
+            if registered is not None:
+                join_s = fault_at + seconds - registered
+        return seconds, steps_per_s, recovery, started, join_s
 
 
 def probe_recovery(
@@ -376,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--spare",
         action="store_true",
-        help="also run relaunch with RELAUNCH_AGENT_SPARE_LAUNCHER=true, side by side",
+        help="also run relaunch with RELAUNCH_AGENT_SPARE_LAUNCHER=true (a spare launcher "
+        "and a spare zygote per agent), side by side",
     )
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -403,12 +422,19 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.repeats):
                 for system in systems:
                     index += 1
-                    seconds, rate, recovery, started = run_trial(
+                    seconds, rate, recovery, started, join_s = run_trial(
                         system, scenario, index, args.timeout, args.window
                     )
                     trials.append(
                         TrialResult(
-                            scenario, system.name, rep + 1, seconds, rate, recovery, started
+                            scenario,
+                            system.name,
+                            rep + 1,
+                            seconds,
+                            rate,
+                            recovery,
+                            started,
+                            join_s,
                         )
                     )
                     shown = "never" if seconds is None else f"{seconds:.1f} s"
@@ -420,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     print_phases(trials, scenarios, args.repeats)
     print_throughput(trials, args.window)
     print_start(trials)
+    print_join(trials)
     if args.json is not None:
         args.json.write_text(json.dumps(figures(trials, args), indent=2) + "\n")
         console.print(f"figures in {args.json}")
@@ -427,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 COLD = "relaunch, cold start"
-SPARE = "relaunch, spare launcher"
+SPARE = "relaunch, spares"
 KNOWN_SYSTEMS = ("raw torchrun", COLD, "relaunch", SPARE)
 # Relaunch's variants: the agents' extra environment, and the directory their cluster uses.
 VARIANTS: dict[str, tuple[dict[str, str], str]] = {
@@ -518,6 +545,7 @@ def figures(trials: list[TrialResult], args: argparse.Namespace) -> dict[str, An
                 "recovery_s": t.recovery_s,
                 "steps_per_s": t.steps_per_s,
                 "start_s": t.start_s,
+                "join_s": t.join_s,
                 "recovery": recovery_data(t.recovery),
             }
             for t in trials
@@ -525,6 +553,7 @@ def figures(trials: list[TrialResult], args: argparse.Namespace) -> dict[str, An
         "medians": medians,
         "throughput_steps_per_s": _throughput(trials),
         "start_s": _starts(trials),
+        "join_s": _joins(trials),
     }
 
 
@@ -581,6 +610,29 @@ def print_start(trials: list[TrialResult]) -> None:
         table.add_column(col)
     starts = _starts(trials)
     table.add_row(*("-" if starts[k] is None else f"{starts[k]:.1f}" for k in systems))
+    console.print(table)
+
+
+def _joins(trials: list[TrialResult]) -> dict[str, float | None]:
+    medians: dict[str, float | None] = {}
+    for system in _systems(trials):
+        joins = [t.join_s for t in trials if t.system == system and t.join_s is not None]
+        medians[system] = statistics.median(joins) if joins else None
+    return medians
+
+
+def print_join(trials: list[TrialResult]) -> None:
+    joins = _joins(trials)
+    systems = [k for k, v in joins.items() if v is not None]
+    if not systems:
+        return
+    table = Table(
+        title="node add: seconds from the joining node's registration with the controller to "
+        "the first step at world size 3 (median of every trial)"
+    )
+    for col in systems:
+        table.add_column(col)
+    table.add_row(*(f"{joins[k]:.1f}" for k in systems))
     console.print(table)
 
 

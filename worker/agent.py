@@ -60,7 +60,12 @@ from worker.client import (
     UnknownNodeError,
 )
 from worker.settings import AgentSettings
-from worker.spare import RESPAWN_AFTER_DEATH_S, RESPAWN_AFTER_HANDOFF_S, SpareLauncher
+from worker.spare import (
+    REGISTER_WAIT_FOR_SPARE_S,
+    RESPAWN_AFTER_DEATH_S,
+    RESPAWN_AFTER_HANDOFF_S,
+    SpareLauncher,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +235,7 @@ class NodeAgent:
         """One pass of the loop; does what is due at ``clock()``."""
         now = self._clock()
         if self._node_id is None:
-            if now >= self._next_register:
+            if now >= self._next_register and not self._spare_loading(now):
                 self._register(now)
         elif now >= self._next_heartbeat:
             self._next_heartbeat = now + self._heartbeat_s
@@ -241,6 +246,15 @@ class NodeAgent:
         if now >= self._next_alive:
             self._next_alive = now + ALIVE_EVERY_S
             self._mark_alive()
+
+    def _spare_loading(self, now: float) -> bool:
+        """Whether registration waits for the spare (launcher and zygote) to load: a node
+        is offered warm, so that the attempt it is given at once starts without imports.
+        Never longer than ``REGISTER_WAIT_FOR_SPARE_S`` from the spare's start."""
+        spare = self._spare
+        if spare is None or not spare.alive() or spare.ready():
+            return False
+        return now - spare.started_at < REGISTER_WAIT_FOR_SPARE_S
 
     def _keep_spare(self, now: float) -> None:
         """With warm workers and ``spare_launcher``, have one spare launcher: start one

@@ -379,6 +379,9 @@ class Attempt:
         self.membership_path = self.dir / MEMBERSHIP_FILE
         self.exit: AttemptExit | None = None
         self.exit_delivered = False
+        # A spare's marker once one became the launcher: its zygote, and the workers
+        # forked from that, keep the spare's environment, without the attempt's marker.
+        self._spare_marker: dict[str, str] | None = None
 
     @property
     def marker(self) -> dict[str, str]:
@@ -537,6 +540,7 @@ class Attempt:
             logger.warning("%s cannot hand off to the spare launcher: %s", self._ctx, exc)
             spare.stop()
             return None
+        self._spare_marker = dict(spare.marker)
         logger.info(
             "%s the spare launcher pid %d takes the attempt (%s)",
             self._ctx,
@@ -600,6 +604,13 @@ class Attempt:
     def _alive(self) -> list[psutil.Process]:
         return [p for p in self._tracked.values() if procs.is_alive(p)]
 
+    def _spares(self) -> list[psutil.Process]:
+        """Live processes with the spare's marker (when a spare became the launcher):
+        untracked ones too, since found by a scan of ``/proc``."""
+        if self._spare_marker is None:
+            return []
+        return procs.find_by_env(self._spare_marker)
+
     @property
     def launcher_pid(self) -> int | None:
         return self._popen.pid if self._popen is not None else None
@@ -638,7 +649,7 @@ class Attempt:
         if code is None:
             return False
         self._join_readers()
-        leftovers = self._alive() + procs.find_by_env(self.marker)
+        leftovers = self._alive() + procs.find_by_env(self.marker) + self._spares()
         clean = True
         if leftovers:
             logger.warning("%s launcher exited leaving %s; killing them", self._ctx, leftovers)
@@ -692,7 +703,7 @@ class Attempt:
         logger.info("%s stopping: %s", self._ctx, reason)
         self._stopper = threading.Thread(
             target=self._stop,
-            args=(self._popen, self._alive(), reason),
+            args=(self._popen, self._alive() + self._spares(), reason),
             name=f"attempt-{self.attempt_id}-stop",
             daemon=True,
         )

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import select
 import signal
 import stat
@@ -56,12 +57,20 @@ HANDOFF_FILE = "launch.json"  # in the attempt's directory
 # In a spare's initial environment (with the agent's work dir, ``AGENT_DIR_ENV``): what a
 # later life of the agent finds and ends (``procs.find_by_env``).
 SPARE_ENV = "RELAUNCH_NODE_SPARE"
+# In a spare's initial environment, its own: the processes that keep a spare's (its
+# zygote, and the workers forked from it) are found by it once it serves an attempt.
+SPARE_ID_ENV = "RELAUNCH_NODE_SPARE_ID"
 # After a hand-off the next spare waits this long, so that its imports do not take the
 # CPU from the attempt that just started (its zygote and workers import the same): on a
 # loaded 2-core node a spare started 5 s after the hand-off delayed the new workers.
 RESPAWN_AFTER_HANDOFF_S = 30.0
 # A spare that died before it was used is replaced no sooner than this.
 RESPAWN_AFTER_DEATH_S = 10.0
+# A new agent registers once its spare has loaded, or after this long without it.
+REGISTER_WAIT_FOR_SPARE_S = 30.0
+# A spare loads at this much lower a priority than its agent's, so that on a node that
+# trains it takes what the workers leave; the agent gives it the agent's own at hand-off.
+SPARE_NICE = 10
 # The spare zygote's HOME and TMPDIR, in the spare's directory.
 ZYGOTE_HOME = "zygote"
 # A spare says it has loaded once its zygote has too, or after this long without it.
@@ -132,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs.set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != ns.parent_pid:
         return 1
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
+    os.nice(SPARE_NICE)  # the zygote inherits it; the agent takes both back at hand-off
     zygote = _start_zygote()  # first: its imports are the longer
     preload()
     if zygote is not None:
@@ -150,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from worker import launch, warm
 
+    # As the agent set it at the hand-off, unless that came before the nice() above.
+    os.setpriority(os.PRIO_PROCESS, 0, priority)
     if zygote is not None:
         warm.offer_spare(zygote)
     return launch.main(handoff.argv)
@@ -195,6 +208,7 @@ class SpareLauncher:
     proc: subprocess.Popen[bytes]
     started_at: float
     _ready_fd: int
+    marker: dict[str, str]  # in the environment of it and of what it starts
     ready_after_s: float | None = None
 
     @classmethod
@@ -203,6 +217,8 @@ class SpareLauncher:
 
         Call it from a thread that outlives the spare and the attempt it serves: the
         spare's parent-death signal fires when the thread that started it ends."""
+        marker = {SPARE_ID_ENV: secrets.token_hex(8)}
+        env = {**env, **marker}
         ready_read, ready_write = os.pipe2(os.O_CLOEXEC)
         command = [
             # -I: no PYTHON* variables, no working directory on sys.path.
@@ -227,7 +243,7 @@ class SpareLauncher:
         finally:
             os.close(ready_write)
         os.set_blocking(ready_read, False)
-        return cls(proc=proc, started_at=time.monotonic(), _ready_fd=ready_read)
+        return cls(proc=proc, started_at=time.monotonic(), _ready_fd=ready_read, marker=marker)
 
     @property
     def pid(self) -> int:
@@ -260,6 +276,7 @@ class SpareLauncher:
         launcher, which would load the same from the start."""
         self.ready()
         self._close_ready()
+        self._raise_priority()
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as out:
@@ -275,6 +292,14 @@ class SpareLauncher:
             raise
         self.proc.stdin = None
         return self.proc
+
+    def _raise_priority(self) -> None:
+        """Give the spare and its zygote this process's priority: from the hand-off on,
+        they are an attempt's launcher and zygote, which a new launcher would be at."""
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        for proc in [self.proc.pid, *(p.pid for p in procs.descendants(self.proc.pid))]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PROCESS, proc, mine)
 
     def stop(self) -> None:
         """End the spare (it runs nothing of anyone's) and reap it."""
