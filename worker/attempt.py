@@ -67,6 +67,7 @@ from worker.gpus import (
     OMP_NUM_THREADS_ENV,
     device_refusal,
     device_variables,
+    threads_per_worker,
 )
 from worker.outbox import EventBatch, EventsTail, LogBatch, LogOutbox
 from worker.settings import AgentSettings
@@ -223,11 +224,35 @@ def _for_launchers(base_env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def node_launcher_env(settings: AgentSettings) -> dict[str, str]:
+    """What the agent sets alike in every launcher's environment on this node, whatever
+    the attempt; it wins over the job's own."""
+    return {
+        _PREFIX_TEMPLATE_ENV: LOG_LINE_PREFIX_TEMPLATE,
+        CONTROLLER_URL_ENV: settings.controller_url,
+        # Workers get their own MASTER_ADDR store instead of the rendezvous
+        # store of the rank-0 agent: avoids restart storms (ELASTIC-FACTS.md).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # Read by torch.distributed.launcher.api.LaunchConfig when no
+        # --shutdown-timeout is given: SIGTERM -> SIGKILL wait for workers.
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(settings.worker_shutdown_timeout_s),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 def spare_env(settings: AgentSettings, base_env: Mapping[str, str]) -> dict[str, str]:
-    """A spare launcher's environment: the agent's, less what no launcher gets (its
-    settings and credentials, torchrun's defaults), with ``spare_marker``. Nothing of any
-    job's: a spare is started before any assignment."""
+    """A spare launcher's environment, which its spare zygote loads with: the agent's,
+    less what no launcher gets (its settings and credentials, torchrun's defaults), with
+    what every launcher here gets (``node_launcher_env``), the thread count of a CPU
+    attempt of one process per node (a job's zygote whose differs cannot be this spare:
+    ``worker.warm.spare_refusal``) and ``spare_marker``. Nothing of any job's: a spare is
+    started before any assignment."""
     env = _for_launchers(base_env)
+    env.update(node_launcher_env(settings))
+    threads = threads_per_worker(
+        cpus=settings.cpus, nproc_per_node=1, device="cpu", attempt_gpus=0, node_gpus=0
+    )
+    env.setdefault(OMP_NUM_THREADS_ENV, str(threads))  # unless the agent's environment sets it
     env.update(spare_marker(settings))
     return env
 
@@ -252,23 +277,15 @@ def build_launcher_env(
     env = _for_launchers(base_env)
     env.update(assignment.env)
     env.update(attempt_marker(settings, assignment.attempt_id))
+    env.update(node_launcher_env(settings))
     env.update(
         {
             JOB_ID_ENV: str(assignment.job_id),
-            _PREFIX_TEMPLATE_ENV: LOG_LINE_PREFIX_TEMPLATE,
             # Absolute: the workers' current directory is not the agent's.
             SNAPSHOT_DIR_ENV: assignment.snapshot_dir
             if is_url(assignment.snapshot_dir)
             else os.path.abspath(assignment.snapshot_dir),
             EVENTS_FILE_ENV: str(events_file),
-            CONTROLLER_URL_ENV: settings.controller_url,
-            # Workers get their own MASTER_ADDR store instead of the rendezvous
-            # store of the rank-0 agent: avoids restart storms (ELASTIC-FACTS.md).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            # Read by torch.distributed.launcher.api.LaunchConfig when no
-            # --shutdown-timeout is given: SIGTERM -> SIGKILL wait for workers.
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(settings.worker_shutdown_timeout_s),
-            "PYTHONUNBUFFERED": "1",
         }
     )
     env.pop(WORKER_TOKEN_ENV, None)

@@ -382,6 +382,8 @@ def enter(sandbox: WorkerSandbox, warm: WarmHooks | None = None) -> str | None:
             warm_starts.install_close_hook()
         except Exception as exc:  # a warm start must never cost the job its start
             logger.exception("cannot start the warm zygote; workers start cold")
+            if starter is not None:
+                starter.stop()
             warm.on_zygote("unavailable", f"cannot start the zygote: {exc}", None)
             starter = None
     install_worker_hooks(sandbox, overlay, starter, None if warm is None else warm.on_cold)

@@ -71,8 +71,9 @@ REGISTER_WAIT_FOR_SPARE_S = 30.0
 # A spare loads at this much lower a priority than its agent's, so that on a node that
 # trains it takes what the workers leave; the agent gives it the agent's own at hand-off.
 SPARE_NICE = 10
-# The spare zygote's HOME and TMPDIR, in the spare's directory.
-ZYGOTE_HOME = "zygote"
+# In the spare's directory: the spare zygote's HOME and TMPDIR (``home``) and its
+# working directory (``cwd``).
+ZYGOTE_DIR = "zygote"
 # A spare says it has loaded once its zygote has too, or after this long without it.
 ZYGOTE_WAIT_S = 120.0
 
@@ -171,19 +172,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _start_zygote() -> SpareZygote | None:
     """A spare zygote beside this spare launcher: this one's environment, with HOME and
     TMPDIR in a directory of root's alone (what its imports make there, torch's compile
-    cache directory, no job can have planted a link in)."""
-    home = Path.cwd() / ZYGOTE_HOME
+    cache directory, no job can have planted a link in), and a working directory of its
+    own, empty, which the paths its imports derive from it are rebased from once it is
+    adopted (``worker.zygote.adopt``)."""
     try:
-        home.mkdir(mode=0o700, exist_ok=True)
-        info = home.lstat()
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-            raise OSError(f"{home} is not a directory of this user's")
-        home.chmod(0o700)
+        home, cwd = (_own_dir(Path.cwd() / ZYGOTE_DIR / name) for name in ("home", "cwd"))
         env = {**os.environ, "HOME": str(home), "TMPDIR": str(home)}
-        return SpareZygote(env, Path.cwd())
+        return SpareZygote(env, cwd)
     except OSError as exc:
         print(f"relaunch spare launcher: no spare zygote: {exc}", file=sys.stderr)
         return None
+
+
+def _own_dir(path: Path) -> Path:
+    """``path`` (and its parent), made if missing: directories of this user's alone, 0700;
+    ``OSError`` if one is a link or another's."""
+    for directory in (path.parent, path):
+        directory.mkdir(mode=0o700, exist_ok=True)
+        info = directory.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise OSError(f"{directory} is not a directory of this user's")
+        directory.chmod(0o700)
+    return path
 
 
 def _wait_loaded(zygote: SpareZygote) -> None:

@@ -51,7 +51,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from worker import procs
-from worker.zygote import BOOTSTRAP, MAX_MESSAGE_BYTES
+from worker.zygote import (
+    BOOTSTRAP,
+    MAX_MESSAGE_BYTES,
+    PER_WORKER_PREFIXES,
+    PER_WORKER_VARIABLES,
+    RECOMPUTED_VARIABLES,
+    THREAD_COUNT_VARIABLES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,41 +67,19 @@ FORK_REPLY_S = 30.0
 MAX_LOSSES = 3
 _HOOK_MARK = "_relaunch_warm_hook"
 
-# What torch's elastic agent sets per worker, and what is read only when used (not
-# when an interpreter or a library starts): a worker may differ from its zygote here.
-PER_WORKER_VARIABLES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "LOCAL_WORLD_SIZE",
-        "WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "CUDA_VISIBLE_DEVICES",  # read when CUDA initialises, never in the zygote
-        "OMP_NUM_THREADS",  # set in the child (worker.zygote)
-        "MKL_NUM_THREADS",
-    }
-)
-PER_WORKER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_")
-
-
-# What acts only when an interpreter, or a library it loads, starts: a job whose
+# What acts when an interpreter, or a library it loads, starts, and is read by C code
+# (the loader, libc, libgomp, OpenBLAS, CUDA) or by Python before any import: a job whose
 # environment sets one otherwise than a spare zygote's (loaded before the job) has a
-# zygote started for it instead, as before. Other variables are read when used.
+# zygote started for it instead, as before. What Python code read during the spare's
+# imports the spare itself compares (``worker.zygote.import_read_refusal``); the
+# Python-level prefixes here (TORCH, NPY_, ...) also cover what torch reads only on
+# builds other than this one.
 START_PREFIXES = (
     "PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "TORCH", "PYTORCH", "TRITON", "CUDA",
     "NVIDIA", "CUBLAS", "CUDNN", "KINETO", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
     "GOTO", "NPY_", "NUMPY_", "SYMPY_", "XDG_", "SSL_", "OPENSSL_",
 )  # fmt: skip
 START_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "TERMINFO"})
-# Read by the imports, and read again as the job's user by a spare zygote that adopts a
-# job (``worker.zygote._recompute_user_state``).
-RECOMPUTED_VARIABLES = frozenset({"HOME", "TMPDIR", "TMP", "TEMP", "USER", "LOGNAME"})
 
 
 def spare_refusal(job_env: Mapping[str, str], spare_env: Mapping[str, str]) -> str | None:
@@ -103,6 +88,10 @@ def spare_refusal(job_env: Mapping[str, str], spare_env: Mapping[str, str]) -> s
     for name in sorted(set(job_env) | set(spare_env)):
         if job_env.get(name) == spare_env.get(name):
             continue
+        if name in THREAD_COUNT_VARIABLES:
+            # A fork sets torch's pool to the worker's count, not numpy's OpenBLAS pool,
+            # which took its size from the spare's as it loaded.
+            return f"the job's {name} differs from the spare zygote's (its thread pools)"
         if name in PER_WORKER_VARIABLES or name.startswith(PER_WORKER_PREFIXES):
             continue
         if name in RECOMPUTED_VARIABLES:
@@ -485,6 +474,10 @@ class Zygote:
         if not isinstance(message, dict):
             raise ZygoteBroke(f"not a message: {message!r:.80}")
         if "ready" in message and self.pid is None:
+            if self.spare and self.uid is not None:
+                uids = _status_field(self._proc.pid, "Uid")
+                if not uids or any(int(u) != self.uid for u in uids):
+                    raise ZygoteBroke(f"the adopted spare runs as uids {uids}, not {self.uid}")
             self.pid = self._proc.pid
             self.import_s = float(message.get("import_s") or 0.0)
             self.ready.set()
@@ -709,6 +702,11 @@ class WarmStarter:
         if zygote is None:
             raise ColdStart(self.given_up or "no zygote")
         waited = zygote.usable(READY_WAIT_S)
+        replacement = self.zygote
+        if waited is not None and zygote.spare and replacement not in (None, zygote):
+            # The spare would not be this job's; the zygote started in its place is.
+            zygote = replacement
+            waited = zygote.usable(READY_WAIT_S)
         if waited is not None:
             with self._lock:
                 if zygote is self.zygote:

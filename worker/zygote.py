@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.labels import ZYGOTE_PROCESS_NAME
-from worker.procs import set_process_name
+from worker.procs import set_parent_death_signal, set_process_name
 
 # A request carries a worker's whole environment; a packet stays below this.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -68,9 +68,74 @@ MAX_MESSAGE_BYTES = 1 << 20
 BOOTSTRAP = ("-m", "worker.bootstrap")
 # Thread pools that libgomp and MKL size when torch is loaded: a worker whose
 # environment asks for another size has it set after the fork.
-_THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# What torch's elastic agent sets per worker, and what is read only when used (not
+# when an interpreter or a library starts): a worker may differ from its zygote here.
+PER_WORKER_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",  # read when CUDA initialises, never in the zygote
+        "CUDA_DEVICE_ORDER",
+        "OMP_NUM_THREADS",  # set in the child (worker.zygote)
+        "MKL_NUM_THREADS",
+    }
+)
+PER_WORKER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_")
+# Read by the imports, and read again as the job's user by a spare zygote that adopts a
+# job (``worker.zygote._recompute_user_state``).
+RECOMPUTED_VARIABLES = frozenset(
+    {"HOME", "TMPDIR", "TMP", "TEMP", "USER", "LOGNAME", "LNAME", "USERNAME"}
+)
+
+
 # What libgomp and MKL read when torch was loaded here (a spare's, not its job's).
-_THREAD_COUNTS_AT_START = {name: os.environ.get(name) for name in _THREAD_COUNT_VARIABLES}
+_THREAD_COUNTS_AT_START = {name: os.environ.get(name) for name in THREAD_COUNT_VARIABLES}
+# This process's start: its environment, its working directory, and what ``python -m``
+# put first on sys.path.
+_ENV_AT_START = dict(os.environ)
+_CWD_AT_START = os.getcwd()
+_PATH0_AT_START = sys.path[0] if sys.path else None
+# Variables that Python code read through ``os.environ`` while ``warm_imports`` ran
+# (``EnvironmentReads``): a spare serves no job whose value of one differs from its own.
+_read_at_import: frozenset[str] = frozenset()
+
+
+class EnvironmentReads:
+    """While entered, the names whose value Python code looked up in ``os.environ``
+    (``[]``, ``get``, ``in``, ``os.getenv``, and every name of a copy or an ``items()``),
+    not names only listed. C code that calls ``getenv`` (libgomp, OpenBLAS, the dynamic
+    loader) is not seen: ``worker.warm`` refuses those by name. Torch 2.13's imports here
+    look up about 400 names, one by one, and copy nothing whole."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self._original: Any = None
+
+    def __enter__(self) -> EnvironmentReads:
+        environ_type = type(os.environ)
+        original = environ_type.__getitem__
+        names = self.names
+
+        def _getitem(mapping: Any, key: str) -> str:
+            names.add(key)
+            return original(mapping, key)
+
+        self._original = original
+        environ_type.__getitem__ = _getitem  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        type(os.environ).__getitem__ = self._original  # type: ignore[method-assign]
 
 
 # Top-level modules that a cold worker has imported before its script's directory goes
@@ -83,7 +148,14 @@ def _top_level_modules() -> frozenset[str]:
 
 
 def warm_imports() -> None:
-    """What every worker would import first: paid once, here."""
+    """What every worker would import first: paid once, here; the variables it read."""
+    global _read_at_import
+    with EnvironmentReads() as reads:
+        _import_all()
+    _read_at_import = frozenset(reads.names)
+
+
+def _import_all() -> None:
     global _before_script
     # First what the bootstrap imports before it runs the script, as a cold worker does.
     import torch
@@ -358,7 +430,7 @@ def _apply_thread_counts(before: dict[str, str | None]) -> None:
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    for name in _THREAD_COUNT_VARIABLES:
+    for name in THREAD_COUNT_VARIABLES:
         value = os.environ.get(name)
         if value == before.get(name) or value is None:
             continue
@@ -431,9 +503,9 @@ def _set_dumpable() -> None:
     /proc files, trace it or get its core; a worker exec'd as that user is. Made so again
     once nothing of root's is left in it."""
     import ctypes
-    import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    # This process's own symbols (libc's among them): no ldconfig, no temporary file.
+    libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_DUMPABLE): {os.strerror(err)}")
@@ -463,7 +535,9 @@ def _recompute_user_state() -> None:
     import sysconfig
     import tempfile
 
-    sys.path[0] = os.getcwd()
+    if sys.path and sys.path[0] == _PATH0_AT_START and not getattr(sys.flags, "safe_path", 0):
+        sys.path[0] = os.getcwd()
+    _rebase(_CWD_AT_START, os.getcwd())
     tempfile.tempdir = None
     tempfile.gettempdir()
     site.USER_BASE = None
@@ -473,6 +547,36 @@ def _recompute_user_state() -> None:
     if "userbase" in config:
         config["userbase"] = site.USER_BASE
     _recompute_compile_cache()
+
+
+def _rebase(old: str, new: str) -> None:
+    """Paths the imports computed from the working directory ``old`` (``abspath(getcwd())``
+    in multiprocessing, ``realpath("")`` and ``getcwd()`` joins in torch's configs), made
+    ``new``'s: module-level strings, and the defaults of torch's config modules (so they
+    stay defaults, not overrides). ``old`` is a directory of the spare's own, which no
+    other path of the imports' lies in."""
+    prefix = os.path.join(old, "")
+
+    def moved(value: object) -> str | None:
+        if not isinstance(value, str):
+            return None
+        if value == old:
+            return new
+        return os.path.join(new, value[len(prefix) :]) if value.startswith(prefix) else None
+
+    for module in list(sys.modules.values()):
+        if module is None:
+            continue
+        for key, value in list(vars(module).items()):
+            rebased = moved(value)
+            if rebased is not None:
+                setattr(module, key, rebased)
+        config = vars(module).get("_config")
+        if isinstance(config, dict):
+            for entry in config.values():
+                rebased = moved(getattr(entry, "default", None))
+                if rebased is not None:
+                    entry.default = rebased
 
 
 def _recompute_compile_cache() -> None:
@@ -497,6 +601,7 @@ def adoption_refusal(cwd: str) -> str | None:
 
     if site.ENABLE_USER_SITE and site.USER_SITE and os.path.isdir(site.USER_SITE):
         return f"the job's user site-packages ({site.USER_SITE}) would be on a cold sys.path"
+
     try:
         names = _module_names(cwd)
     except OSError as exc:
@@ -508,15 +613,50 @@ def adoption_refusal(cwd: str) -> str | None:
     return None
 
 
-def adopt(adoption: Adoption) -> str | None:
+def _held_beyond(sock_fd: int) -> list[str]:
+    """The descriptors this process holds besides 0, 1, 2 and ``sock_fd``: anything root
+    opened and kept would be the job's to use once it runs here."""
+    held = []
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd in (0, 1, 2, sock_fd):
+            continue
+        try:
+            held.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            continue  # the listing's own, closed by now
+    return held
+
+
+def import_read_refusal(job_env: dict[str, str]) -> str | None:
+    """Why a job with ``job_env`` cannot adopt this spare: its value of a variable that
+    the spare's imports read differs; None if none does. What is set per worker, and
+    what adoption computes again, may differ."""
+    for name in sorted(_read_at_import - RECOMPUTED_VARIABLES):
+        if name in PER_WORKER_VARIABLES or name.startswith(PER_WORKER_PREFIXES):
+            continue
+        if job_env.get(name) != _ENV_AT_START.get(name):
+            return f"the job's {name} differs from the spare's, which its imports read"
+    return None
+
+
+def adopt(adoption: Adoption, sock_fd: int) -> str | None:
     """Become the zygote a cold start of this job would have been; why not, or None.
 
     The order is the point: the priority is set while root may still raise it, the
     user is dropped next, and only then is anything of the job's taken (its working
     directory, entered with its permissions; its environment). A refusal leaves a
     process that can serve no one: the caller ends it."""
+    refusal = import_read_refusal(adoption.env)
+    if refusal is not None:
+        return refusal
     if adoption.nice is not None:
         os.setpriority(os.PRIO_PROCESS, 0, adoption.nice)
+    held = _held_beyond(sock_fd)
+    if held:
+        return f"the spare holds more than its socket and standard streams: {held}"
+    if threads() != 1:
+        return f"the spare runs {threads()} threads; only one drops its user with certainty"
     if adoption.uid is not None and adoption.gid is not None:
         _drop_to(adoption.uid, adoption.gid)
     try:
@@ -548,7 +688,7 @@ def _await_adoption(sock: socket.socket, import_s: float) -> None:
     if not payload:
         sys.exit(0)  # its launcher is gone, or gave it up
     try:
-        refusal = adopt(Adoption.parse(payload))
+        refusal = adopt(Adoption.parse(payload), sock.fileno())
     except (ValueError, KeyError, TypeError, OSError) as exc:
         refusal = f"bad adoption: {exc}"
     refusal = refusal or fork_refusal()
@@ -563,6 +703,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # those are the agent's. (No parent-death signal: a replacement zygote is started by
     # a launcher thread that ends soon after, and the signal follows the thread.)
     set_process_name(ZYGOTE_PROCESS_NAME)
+    if ns.spare:
+        # A spare's launcher starts it from the thread that lives as long as it does; a
+        # root spare must not outlive it. The kernel clears the signal at the drop to the
+        # job's user: from then on the launcher's end reaches it as EOF, as any zygote.
+        set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != ns.parent_pid:
         sys.exit(1)
     sock = socket.socket(fileno=ns.fd)

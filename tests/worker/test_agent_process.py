@@ -472,8 +472,10 @@ def test_an_attempt_on_a_gpu_node_waits_until_the_one_it_replaces_is_gone(
     assert waits[0] < gone < started
 
 
-def _spares_of(work_dir: Path) -> list[psutil.Process]:
-    """Live spare launchers (``worker.spare``) of the agent whose work dir this is."""
+def _spares_of(work_dir: Path, module: str | None = "worker.spare") -> list[psutil.Process]:
+    """Live spares of the agent whose work dir this is: its spare launchers
+    (``worker.spare``), its spare zygotes (``worker.zygote``), or with ``module`` None
+    whatever carries the spares' marker."""
     found = []
     for proc in psutil.process_iter():
         try:
@@ -481,6 +483,7 @@ def _spares_of(work_dir: Path) -> list[psutil.Process]:
             if (
                 env.get("RELAUNCH_NODE_SPARE") == "1"
                 and env.get("RELAUNCH_NODE_AGENT_DIR") == str(work_dir.resolve())
+                and (module is None or module in proc.cmdline())
                 and proc.status() != psutil.STATUS_ZOMBIE
             ):
                 found.append(proc)
@@ -508,8 +511,28 @@ def test_an_agent_keeps_one_spare_launcher_without_credentials_and_replaces_it_w
     assert "rln_one" not in " ".join([*env.values(), *spare.cmdline()])
     assert spare.cwd() == str((work_dir / "spare").resolve())
     assert (work_dir / "spare").stat().st_mode & 0o777 == 0o700
+    # Beside it a spare zygote: root's too, with the same environment but for a HOME and
+    # TMPDIR of root's alone (what torch's import makes there, no job can have linked).
+    (zygote,) = wait_for(
+        "a spare zygote", lambda: _spares_of(work_dir, "worker.zygote"), timeout_s=30
+    )
+    assert zygote.ppid() == spare.pid and zygote.uids().effective == os.getuid()
+    zygote_env = zygote.environ()
+    home = work_dir / "spare" / "zygote" / "home"
+    assert zygote_env["HOME"] == zygote_env["TMPDIR"] == str(home.resolve())
+    assert zygote.cwd() == str((work_dir / "spare" / "zygote" / "cwd").resolve())
+    assert home.stat().st_mode & 0o777 == 0o700 and home.stat().st_uid == os.getuid()
+    assert {k: v for k, v in zygote_env.items() if k not in ("HOME", "TMPDIR")} == {
+        k: v for k, v in env.items() if k not in ("HOME", "TMPDIR")
+    }
+    # The agent registered only once both had loaded: a node is offered warm.
+    log_file = tmp_path / "agent.log"
+    wait_for("the agent to register", lambda: "registered as node" in log_file.read_text(), 60)
+    log = log_file.read_text()
+    assert log.index("spare launcher pid") < log.index("registered as node"), log[-3000:]
 
     spare.kill()
+    wait_for("its zygote to end with it", lambda: not procs.is_alive(zygote), timeout_s=30)
     replacement = wait_for(
         "another spare launcher",
         lambda: [p for p in _spares_of(work_dir) if p.pid != spare.pid],
@@ -518,7 +541,8 @@ def test_an_agent_keeps_one_spare_launcher_without_credentials_and_replaces_it_w
     assert replacement.ppid() == agent.pid
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(20) == 0
-    assert _spares_of(work_dir) == []  # an agent that stops leaves no spare behind
+    # An agent that stops leaves no spare behind.
+    wait_for("no spare left", lambda: _spares_of(work_dir, None) == [], timeout_s=30)
 
 
 def test_a_restarted_agent_ends_the_spare_launcher_its_previous_life_left(
@@ -542,7 +566,8 @@ def test_a_restarted_agent_ends_the_spare_launcher_its_previous_life_left(
     )
     try:
         wait_for(
-            "the leftover to show", lambda: leftover.pid in {p.pid for p in _spares_of(work_dir)}
+            "the leftover to show",
+            lambda: leftover.pid in {p.pid for p in _spares_of(work_dir, None)},
         )
         agent = _start_agent(tmp_path, url, "agent.log", extra_env=SPARE_ON)
         cleanup.append(agent)
@@ -575,7 +600,7 @@ def test_an_agent_keeps_no_spare_launcher_unless_asked_with_warm_workers(
     # The loop starts a spare before it registers, so by its second heartbeat it has one
     # if it keeps one at all.
     wait_for("two heartbeats", lambda: len(fake.heartbeats) >= 2, timeout_s=30)
-    assert _spares_of(tmp_path / "agent") == []
+    assert _spares_of(tmp_path / "agent", None) == []
     assert not [p for p in psutil.Process(agent.pid).children() if "worker.spare" in p.cmdline()]
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(20) == 0

@@ -421,3 +421,39 @@ def test_a_private_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     write_private(path, "rln_secret")
     assert path.read_text() == "rln_secret"
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_spare_zygote_loads_with_what_a_one_process_cpu_attempt_gets_here(
+    tmp_path: Path,
+) -> None:
+    # The spare is loaded before any job, so it must be loaded with every variable that the
+    # agent sets alike for each attempt on this node; otherwise no job could adopt it.
+    from worker.attempt import spare_env
+    from worker.warm import spare_refusal
+
+    settings = _settings(tmp_path)
+    agent_env = {"PATH": "/bin", "HOME": "/root", "RELAUNCH_AGENT_ENROLMENT_TOKEN": "secret"}
+    spare = spare_env(settings, agent_env)
+    assert "RELAUNCH_AGENT_ENROLMENT_TOKEN" not in spare
+    for job_env, usable in (
+        ({"FOO": "bar", "WANDB_PROJECT": "x"}, True),
+        ({"PYTHONHASHSEED": "0"}, False),  # read as the interpreter starts
+        ({"TORCH_LOGS": "+dynamo"}, False),  # read as torch is imported
+        ({"OMP_NUM_THREADS": "1"}, settings.cpus == 1),  # numpy's pool took the spare's
+    ):
+        launcher = build_launcher_env(
+            _assignment(nproc_per_node=1, env=job_env),
+            settings=settings,
+            events_file=tmp_path / "e",
+            base_env=agent_env,
+        )
+        reason = spare_refusal(launcher, spare)
+        assert (reason is None) == usable, (job_env, reason)
+    # Two processes per node share the cores: their thread count is not the spare's.
+    two = build_launcher_env(
+        _assignment(nproc_per_node=2, env={}),
+        settings=settings,
+        events_file=tmp_path / "e",
+        base_env=agent_env,
+    )
+    assert settings.cpus == 1 or "OMP_NUM_THREADS" in (spare_refusal(two, spare) or "")

@@ -28,7 +28,26 @@ _FACTS = textwrap.dedent(
     import torch._dynamo.package as dynamo_package
     import helper
     status = open("/proc/self/status").read().splitlines()
+
+    def mentions(path):
+        # Module-level strings (and torch's config values) that name ``path``.
+        found = []
+        for name, module in list(sys.modules.items()):
+            values = list(vars(module).items()) if module is not None else []
+            config = getattr(module, "_config", None)
+            for key in config if isinstance(config, dict) else {}:
+                try:
+                    values.append((key, getattr(module, key)))
+                except Exception:
+                    pass
+            for key, value in values:
+                items = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(v, str) and path in v for v in items):
+                    found.append(f"{name}.{key}")
+        return sorted(found)
+
     facts = {
+        "spare_dir_mentions": mentions(os.environ.get("SPARE_DIR", "/no/such/dir")),
         "tmp": tempfile.gettempdir(),
         "user_site": [site.USER_SITE, sysconfig.get_config_var("userbase")],
         "user": getpass.getuser(),
@@ -209,6 +228,7 @@ def test_a_spare_zygote_loaded_as_root_becomes_the_zygote_a_cold_start_would_hav
     assert cold["compile_cache"][0].startswith(home + "/torchinductor_")
     assert cold["dumpable"] == 1
     assert cold["threads_setting"] == 1
+    assert cold["spare_dir_mentions"] == []  # nothing still points into root's directory
     assert cold["path"][0] == str(tmp_path / "sub")
     expected_uid = os.getuid() if uid is None else uid
     assert cold["uids"] == [expected_uid] * 3
@@ -292,6 +312,38 @@ def test_what_may_differ_between_a_worker_and_its_zygote() -> None:
     assert "PATH" in (warm.cold_start_reason(args, removed, zygote_env) or "")
     other = [sys.executable, "-m", "worker.bootstrap", "train.py"]  # no -u
     assert warm.cold_start_reason(other, per_worker, zygote_env) is not None
+
+
+def test_the_variables_python_code_reads_are_recorded_not_those_only_listed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RELAUNCH_T_READ", "1")
+    with zygote.EnvironmentReads() as reads:
+        os.environ.get("RELAUNCH_T_GET")
+        _ = "RELAUNCH_T_IN" in os.environ
+        os.getenv("RELAUNCH_T_GETENV")
+        _ = os.environ["RELAUNCH_T_READ"]
+        listed = [k for k in os.environ if k.startswith("RELAUNCH_T")]
+    read = {"RELAUNCH_T_GET", "RELAUNCH_T_IN", "RELAUNCH_T_GETENV", "RELAUNCH_T_READ"}
+    assert reads.names == read
+    assert listed == ["RELAUNCH_T_READ"]
+    with zygote.EnvironmentReads() as reads:
+        copied = os.environ.copy()  # a copy may be looked in for anything later
+    assert reads.names == set(os.environ) and copied["RELAUNCH_T_READ"] == "1"
+    os.environ.get("RELAUNCH_T_AFTER")
+    assert "RELAUNCH_T_AFTER" not in reads.names  # the recording is over
+
+
+def test_a_spare_refuses_a_job_whose_value_differs_for_what_its_imports_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(zygote, "_read_at_import", frozenset({"APP_MODE", "HOME", "RANK"}))
+    monkeypatch.setattr(zygote, "_ENV_AT_START", {"APP_MODE": "a", "HOME": "/root"})
+    # What adoption computes again (HOME) and what is set per worker (RANK) may differ.
+    assert zygote.import_read_refusal({"APP_MODE": "a", "HOME": "/h", "RANK": "1"}) is None
+    reason = zygote.import_read_refusal({"APP_MODE": "b"})
+    assert reason is not None and "APP_MODE" in reason
+    assert "APP_MODE" in (zygote.import_read_refusal({}) or "")
 
 
 def test_the_zygote_does_not_fork_with_a_second_thread_or_with_cuda(

@@ -88,19 +88,22 @@ def fidelity(work: Path, uid: int | None) -> dict[str, Any]:
 
 def spare_fidelity(work: Path, uid: int | None) -> dict[str, Any]:
     """As ``fidelity``, the zygote being a spare loaded as root before the job, in a
-    directory of root's, with root's HOME, TMPDIR and names and no thread setting; the
-    job's are its own, as a launcher gives them (``worker.sandbox._prepare``)."""
+    directory of root's, with root's HOME, TMPDIR and names; the job's are its own, as a
+    launcher gives them (``worker.sandbox._prepare``). Its thread count is the job's, as
+    the agent makes it (``worker.attempt.spare_env``) for the jobs that may adopt it."""
     spare_dir = work / "spare"
-    spare_dir.mkdir(mode=0o700)
-    spare_env = {**os.environ, "HOME": str(spare_dir), "TMPDIR": str(spare_dir)}
-    spare_env.update({"USER": "root", "LOGNAME": "root"})
-    spare_env.pop("OMP_NUM_THREADS", None)
+    for path in (spare_dir, spare_dir / "home", spare_dir / "cwd"):
+        path.mkdir(mode=0o700)
+    spare_home = str(spare_dir / "home")
+    spare_env = {**os.environ, "HOME": spare_home, "TMPDIR": spare_home}
+    spare_env.update({"USER": "root", "LOGNAME": "root", "OMP_NUM_THREADS": "3"})
     home = work / "home"
     home.mkdir()
     if uid is not None:
         os.chown(home, uid, uid)
     base = {**os.environ, "OMP_NUM_THREADS": "3", "HOME": str(home), "TMPDIR": str(home)}
-    spare = SpareZygote(spare_env, spare_dir)
+    base["SPARE_DIR"] = str(spare_dir)  # the facts look for module state still naming it
+    spare = SpareZygote(spare_env, spare_dir / "cwd")
     if not spare.wait_loaded(180):
         raise SystemExit("the spare zygote did not load")
     offer_spare(spare)
