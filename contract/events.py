@@ -125,7 +125,9 @@ class LauncherExited(EventData):
 class ZygoteChanged(EventData):
     """The launcher's warm zygote (``worker.warm``): ``ready`` to fork workers (after
     ``import_s`` seconds of start, holding ``rss_bytes`` of memory), ``lost`` (it died;
-    another is started) or ``unavailable`` (workers start cold from now)."""
+    another is started) or ``unavailable`` (workers start cold from now). ``spare``: it is
+    the node's spare zygote, loaded before the job was placed; ``spare_passed_over``: why
+    the node's spare could not be this job's, so that this one was started for it."""
 
     kind = EventKind.ZYGOTE
     state: Literal["ready", "lost", "unavailable"] | None = None
@@ -133,6 +135,8 @@ class ZygoteChanged(EventData):
     import_s: FiniteOrNone = None
     rss_bytes: ByteCount | None = None
     message: Text = ""
+    spare: bool = False
+    spare_passed_over: Text = ""
 
 
 class ColdStarted(EventData):

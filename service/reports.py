@@ -285,6 +285,10 @@ def _zygote(data: ZygoteChanged, at: _Applied) -> None:
         size = "" if data.rss_bytes is None else f", {data.rss_bytes / 2**20:.0f} MiB"
         took = "" if data.import_s is None else f" after {data.import_s:.1f} s"
         message = f"node {at.node.name}: warm zygote ready{took}{size}; workers start as its forks"
+        if data.spare:
+            message += " (the node's spare, loaded before the job was placed)"
+        elif data.spare_passed_over:
+            message += f" (the node's spare could not be this job's: {data.spare_passed_over})"
     else:
         message = f"node {at.node.name}: warm zygote {data.state}: {data.message}"
     at.add_event("zygote", message, data)

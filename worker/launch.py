@@ -314,6 +314,10 @@ class WarmEvents:
                 import_s=None if zygote is None else zygote.import_s,
                 rss_bytes=None if zygote is None or state != "ready" else zygote.rss_bytes(),
                 message=bounded(message),
+                spare=zygote is not None and zygote.spare and state == "ready",
+                spare_passed_over=bounded(zygote.spare_passed_over or "")
+                if zygote is not None
+                else "",
             )
         )
 

@@ -381,6 +381,7 @@ class Zygote:
         self.uid = uid
         self.spare = spare is not None
         self.refusal: str | None = None  # a spare's, when it would not adopt the job
+        self.spare_passed_over: str | None = None  # why the spare is not this zygote
         self.pid: int | None = None
         self.import_s: float | None = None
         self.ready = threading.Event()
@@ -665,7 +666,7 @@ class WarmStarter:
         if state == "ready":
             if self._spare_note is not None:
                 message = f"{message} (the spare zygote was not used: {self._spare_note})"
-                self._spare_note = None
+                zygote.spare_passed_over, self._spare_note = self._spare_note, None
             self._on_event("ready", message, zygote)
             return
         with self._lock:

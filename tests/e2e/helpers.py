@@ -23,14 +23,16 @@ def running_cluster(
     agents: tuple[str, ...] = (),
     snapshot_root: Path | None = None,
     controller_env: dict[str, str] | None = None,
+    agent_env: dict[str, str] | None = None,
+    wait_nodes_s: float = 60.0,
 ) -> Iterator[LocalCluster]:
     """A controller and ``agents``, stopped (and their logs printed) on the way out."""
     c = LocalCluster(data_dir=data, port=free_port(), snapshot_root=snapshot_root)
     try:
         c.start_controller(controller_env)
         for name in agents:
-            c.start_agent(name)
-        c.wait_nodes(len(agents))
+            c.start_agent(name, extra_env=agent_env)
+        c.wait_nodes(len(agents), timeout_s=wait_nodes_s)
         yield c
     finally:
         c.stop_all()
