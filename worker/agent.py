@@ -170,6 +170,9 @@ class NodeAgent:
         self._register_backoff_s = 0.5
         self._token_file = node_token.token_file(settings.work_dir)
         self._spare: SpareLauncher | None = None
+        # A new agent waits for its spares before it registers; one the controller forgot
+        # (it answered 404) registers again at once.
+        self._registered_once = False
         self._next_spare = 0.0
 
     @property
@@ -235,7 +238,8 @@ class NodeAgent:
         """One pass of the loop; does what is due at ``clock()``."""
         now = self._clock()
         if self._node_id is None:
-            if now >= self._next_register and not self._spare_loading(now):
+            warming = not self._registered_once and self._spare_loading(now)
+            if now >= self._next_register and not warming:
                 self._register(now)
         elif now >= self._next_heartbeat:
             self._next_heartbeat = now + self._heartbeat_s
@@ -266,7 +270,8 @@ class NodeAgent:
         spare = self._spare
         if spare is not None:
             if spare.alive():
-                if spare.ready_after_s is None and spare.ready():
+                if not spare.logged and spare.ready():
+                    spare.logged = True
                     rss = spare.rss_bytes()
                     logger.info(
                         "node=%s spare launcher pid %d loaded in %.1f s (%s MiB)",
@@ -357,6 +362,7 @@ class NodeAgent:
         except OSError as exc:  # the node works; only a restart would wait for its old self
             logger.warning("node=%s cannot save its node token: %s", self._settings.name, exc)
         self._node_id = reply.node_id
+        self._registered_once = True
         self._heartbeat_s = reply.heartbeat_interval_s
         self._register_backoff_s = 0.5
         self._next_heartbeat = now

@@ -720,7 +720,7 @@ class Attempt:
         logger.info("%s stopping: %s", self._ctx, reason)
         self._stopper = threading.Thread(
             target=self._stop,
-            args=(self._popen, self._alive() + self._spares(), reason),
+            args=(self._popen, self._alive(), reason),
             name=f"attempt-{self.attempt_id}-stop",
             daemon=True,
         )
@@ -818,6 +818,7 @@ class Attempt:
     ) -> None:
         # poll() saw the launcher unreaped before this thread began, and nothing
         # else reaps it now, so its pid is still ours to signal.
+        known = known + self._spares()  # a scan of /proc: here, off the agent's loop
         outcome = procs.kill_tree(
             popen.pid, self._settings.stop_grace_s, marker=self.marker, known=known
         )

@@ -143,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getppid() != ns.parent_pid:
         return 1
     priority = os.getpriority(os.PRIO_PROCESS, 0)
-    os.nice(SPARE_NICE)  # the zygote inherits it; the agent takes both back at hand-off
+    if os.geteuid() == 0:  # only root can take a lower priority back
+        os.nice(SPARE_NICE)  # the zygote inherits it; the agent takes both back at hand-off
     zygote = _start_zygote()  # first: its imports are the longer
     preload()
     if zygote is not None:
@@ -162,8 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from worker import launch, warm
 
-    # As the agent set it at the hand-off, unless that came before the nice() above.
-    os.setpriority(os.PRIO_PROCESS, 0, priority)
+    # As the agent set it at the hand-off, unless that came before the nice() above or the
+    # zygote was started after it.
+    if os.geteuid() == 0:
+        for pid in (0, *(() if zygote is None else (zygote.proc.pid,))):
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpriority(os.PRIO_PROCESS, pid) == priority + SPARE_NICE:
+                    os.setpriority(os.PRIO_PROCESS, pid, priority)
     if zygote is not None:
         warm.offer_spare(zygote)
     return launch.main(handoff.argv)
@@ -220,6 +226,7 @@ class SpareLauncher:
     _ready_fd: int
     marker: dict[str, str]  # in the environment of it and of what it starts
     ready_after_s: float | None = None
+    logged: bool = False  # the agent has said it loaded
 
     @classmethod
     def start(cls, env: Mapping[str, str], cwd: Path) -> SpareLauncher:
@@ -308,8 +315,13 @@ class SpareLauncher:
         they are an attempt's launcher and zygote, which a new launcher would be at."""
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         for proc in [self.proc.pid, *(p.pid for p in procs.descendants(self.proc.pid))]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.setpriority(os.PRIO_PROCESS, proc, mine)
+            try:  # a priority is each thread's own
+                threads = [int(t) for t in os.listdir(f"/proc/{proc}/task")]
+            except OSError:
+                continue
+            for thread in threads:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.setpriority(os.PRIO_PROCESS, thread, mine)
 
     def stop(self) -> None:
         """End the spare (it runs nothing of anyone's) and reap it."""

@@ -78,6 +78,8 @@ START_PREFIXES = (
     "PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "TORCH", "PYTORCH", "TRITON", "CUDA",
     "NVIDIA", "CUBLAS", "CUDNN", "KINETO", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
     "GOTO", "NPY_", "NUMPY_", "SYMPY_", "XDG_", "SSL_", "OPENSSL_",
+    # Read as the interpreter and relaunch's own modules load, before the spare records:
+    "SETUPTOOLS_", "PSUTIL_", "PYDANTIC_",
 )  # fmt: skip
 START_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "TERMINFO"})
 
@@ -379,6 +381,7 @@ class Zygote:
     ) -> None:
         self.env = dict(env)
         self.uid = uid
+        self.gid = popen_kwargs.get("group", uid)
         self.spare = spare is not None
         self.refusal: str | None = None  # a spare's, when it would not adopt the job
         self.spare_passed_over: str | None = None  # why the spare is not this zygote
@@ -477,8 +480,17 @@ class Zygote:
         if "ready" in message and self.pid is None:
             if self.spare and self.uid is not None:
                 uids = _status_field(self._proc.pid, "Uid")
-                if not uids or any(int(u) != self.uid for u in uids):
-                    raise ZygoteBroke(f"the adopted spare runs as uids {uids}, not {self.uid}")
+                gids = _status_field(self._proc.pid, "Gid")
+                groups = _status_field(self._proc.pid, "Groups")
+                if (
+                    not uids
+                    or any(int(u) != self.uid for u in uids)
+                    or any(int(g) != self.gid for g in gids)
+                    or groups
+                ):
+                    raise ZygoteBroke(
+                        f"the adopted spare runs as uids {uids}, gids {gids}, groups {groups}"
+                    )
             self.pid = self._proc.pid
             self.import_s = float(message.get("import_s") or 0.0)
             self.ready.set()

@@ -53,6 +53,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -108,6 +109,7 @@ _PATH0_AT_START = sys.path[0] if sys.path else None
 # Variables that Python code read through ``os.environ`` while ``warm_imports`` ran
 # (``EnvironmentReads``): a spare serves no job whose value of one differs from its own.
 _read_at_import: frozenset[str] = frozenset()
+_listed_at_import = False
 
 
 class EnvironmentReads:
@@ -119,23 +121,36 @@ class EnvironmentReads:
 
     def __init__(self) -> None:
         self.names: set[str] = set()
+        # Whether the environment was listed or copied: what was then looked up in a copy
+        # is not seen, so every variable counts as read.
+        self.listed = False
         self._original: Any = None
+        self._original_iter: Any = None
 
     def __enter__(self) -> EnvironmentReads:
         environ_type = type(os.environ)
         original = environ_type.__getitem__
         names = self.names
 
-        def _getitem(mapping: Any, key: str) -> str:
-            names.add(key)
+        def _getitem(mapping: Any, key: Any) -> Any:
+            if isinstance(key, str):  # os.environb shares the type; its keys are bytes
+                names.add(key)
             return original(mapping, key)
 
+        def _iter(mapping: Any) -> Any:
+            self.listed = True
+            return original_iter(mapping)
+
         self._original = original
+        original_iter = environ_type.__iter__
+        self._original_iter = original_iter
         environ_type.__getitem__ = _getitem  # type: ignore[method-assign]
+        environ_type.__iter__ = _iter  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *_: object) -> None:
         type(os.environ).__getitem__ = self._original  # type: ignore[method-assign]
+        type(os.environ).__iter__ = self._original_iter  # type: ignore[method-assign]
 
 
 # Top-level modules that a cold worker has imported before its script's directory goes
@@ -149,10 +164,11 @@ def _top_level_modules() -> frozenset[str]:
 
 def warm_imports() -> None:
     """What every worker would import first: paid once, here; the variables it read."""
-    global _read_at_import
+    global _read_at_import, _listed_at_import
     with EnvironmentReads() as reads:
         _import_all()
     _read_at_import = frozenset(reads.names)
+    _listed_at_import = reads.listed
 
 
 def _import_all() -> None:
@@ -522,7 +538,7 @@ def _drop_to(uid: int, gid: int) -> None:
     _set_dumpable()
 
 
-def _recompute_user_state() -> None:
+def _recompute_user_state() -> str | None:
     """What the imports computed from the user, HOME, TMPDIR and the working directory,
     computed again as the job's user in the job's environment, as a cold start has it.
 
@@ -537,7 +553,9 @@ def _recompute_user_state() -> None:
 
     if sys.path and sys.path[0] == _PATH0_AT_START and not getattr(sys.flags, "safe_path", 0):
         sys.path[0] = os.getcwd()
-    _rebase(_CWD_AT_START, os.getcwd())
+    refusal = _rebase(_CWD_AT_START, os.getcwd())
+    if refusal is not None:
+        return refusal
     tempfile.tempdir = None
     tempfile.gettempdir()
     site.USER_BASE = None
@@ -547,9 +565,10 @@ def _recompute_user_state() -> None:
     if "userbase" in config:
         config["userbase"] = site.USER_BASE
     _recompute_compile_cache()
+    return None
 
 
-def _rebase(old: str, new: str) -> None:
+def _rebase(old: str, new: str) -> str | None:
     """Paths the imports computed from the working directory ``old`` (``abspath(getcwd())``
     in multiprocessing, ``realpath("")`` and ``getcwd()`` joins in torch's configs), made
     ``new``'s: module-level strings, and the defaults of torch's config modules (so they
@@ -564,19 +583,41 @@ def _rebase(old: str, new: str) -> None:
             return new
         return os.path.join(new, value[len(prefix) :]) if value.startswith(prefix) else None
 
-    for module in list(sys.modules.values()):
+    config_type = getattr(sys.modules.get("torch.utils._config_module"), "ConfigModule", None)
+    for name, module in list(sys.modules.items()):
         if module is None:
             continue
-        for key, value in list(vars(module).items()):
-            rebased = moved(value)
-            if rebased is not None:
-                setattr(module, key, rebased)
-        config = vars(module).get("_config")
-        if isinstance(config, dict):
-            for entry in config.values():
-                rebased = moved(getattr(entry, "default", None))
-                if rebased is not None:
-                    entry.default = rebased
+        try:
+            is_config = config_type is not None and isinstance(module, config_type)
+            for key, value in list(vars(module).items()):
+                rebased = moved(value)
+                if rebased is not None and not (is_config and key in vars(module)["_config"]):
+                    module.__dict__[key] = rebased
+            if is_config:
+                _rebase_config(module, moved)
+        except Exception as exc:  # any failure is a refusal, never a half-made zygote
+            return f"cannot move {name}'s paths from the spare's directory: {exc!r:.200}"
+    return None
+
+
+def _rebase_config(module: Any, moved: Any) -> None:
+    """A torch config module's defaults that ``moved`` maps, changed as defaults (not as
+    overrides), and its caches of them marked stale."""
+    from contextvars import ContextVar
+
+    changed = False
+    for entry in module._config.values():
+        rebased = moved(getattr(entry, "default", None))
+        if rebased is not None:
+            entry.default = rebased
+            changed = True
+    if changed:
+        for name, stale in (("_hash_dirty_var", True), ("_get_dict_dirty_keys_var", None)):
+            var = getattr(module, name, None)
+            if isinstance(var, ContextVar):
+                var.set(stale)
+        if hasattr(module, "_is_dirty"):
+            module._is_dirty = True
 
 
 def _recompute_compile_cache() -> None:
@@ -619,7 +660,13 @@ def _held_beyond(sock_fd: int) -> list[str]:
     held = []
     for entry in os.listdir("/proc/self/fd"):
         fd = int(entry)
-        if fd in (0, 1, 2, sock_fd):
+        if fd == sock_fd:
+            continue
+        if fd in (0, 1, 2):
+            with contextlib.suppress(OSError):  # streams: a pipe or a device, never a file
+                mode = os.fstat(fd).st_mode
+                if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+                    held.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
             continue
         try:
             held.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
@@ -632,7 +679,8 @@ def import_read_refusal(job_env: dict[str, str]) -> str | None:
     """Why a job with ``job_env`` cannot adopt this spare: its value of a variable that
     the spare's imports read differs; None if none does. What is set per worker, and
     what adoption computes again, may differ."""
-    for name in sorted(_read_at_import - RECOMPUTED_VARIABLES):
+    names = set(job_env) | set(_ENV_AT_START) if _listed_at_import else _read_at_import
+    for name in sorted(names - RECOMPUTED_VARIABLES):
         if name in PER_WORKER_VARIABLES or name.startswith(PER_WORKER_PREFIXES):
             continue
         if job_env.get(name) != _ENV_AT_START.get(name):
@@ -651,7 +699,8 @@ def adopt(adoption: Adoption, sock_fd: int) -> str | None:
     if refusal is not None:
         return refusal
     if adoption.nice is not None:
-        os.setpriority(os.PRIO_PROCESS, 0, adoption.nice)
+        with contextlib.suppress(PermissionError):  # not root: never made lower, keep it
+            os.setpriority(os.PRIO_PROCESS, 0, adoption.nice)
     held = _held_beyond(sock_fd)
     if held:
         return f"the spare holds more than its socket and standard streams: {held}"
@@ -665,8 +714,7 @@ def adopt(adoption: Adoption, sock_fd: int) -> str | None:
         return f"cannot enter {adoption.cwd} as the job's user: {exc.strerror}"
     os.environ.clear()
     os.environ.update(adoption.env)
-    _recompute_user_state()
-    return adoption_refusal(os.getcwd())
+    return _recompute_user_state() or adoption_refusal(os.getcwd())
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -103,7 +103,10 @@ def spare_fidelity(work: Path, uid: int | None) -> dict[str, Any]:
         os.chown(home, uid, uid)
     base = {**os.environ, "OMP_NUM_THREADS": "3", "HOME": str(home), "TMPDIR": str(home)}
     base["SPARE_DIR"] = str(spare_dir)  # the facts look for module state still naming it
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
+    os.nice(10)  # as an agent's spares load; the adoption gives the launcher's back
     spare = SpareZygote(spare_env, spare_dir / "cwd")
+    os.setpriority(os.PRIO_PROCESS, 0, priority)
     if not spare.wait_loaded(180):
         raise SystemExit("the spare zygote did not load")
     offer_spare(spare)
