@@ -251,6 +251,10 @@ def test_a_spare_zygote_is_passed_over_where_a_cold_start_would_import_otherwise
         assert "the spare zygote was not used" in result[case]["message"], result
     assert "PYTHONHASHSEED" in result["env"]["message"]
     assert "'colorsys'" in result["workdir"]["message"]
+    imports = result["imports"]
+    assert "the job's CI differs from the spare's, which its imports read" in imports["message"]
+    assert imports["spare_ended"] in (1, -9)  # it refused and ended, or was ended
+    assert imports["fork_code"] == 0, imports  # forked from the zygote started in its place
 
 
 def test_torch_ends_a_forked_worker_through_its_session(tmp_path: Path) -> None:

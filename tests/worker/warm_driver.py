@@ -122,6 +122,30 @@ def spare_refused(work: Path, uid: int | None) -> dict[str, Any]:
     read at start-up (refused by the launcher), or its working directory holds a module
     the spare took from elsewhere (refused by the spare, as the job's user)."""
     result: dict[str, Any] = {}
+    # A variable that torch's imports read (``CI``, by torch._functorch's config), otherwise
+    # than the spare had it: the spare itself refuses, once loaded. A worker asked for at
+    # once, before that answer, is a fork of the zygote started in the spare's place.
+    spare_dir = work / "spare-imports"
+    spare_dir.mkdir(mode=0o700)
+    spare = SpareZygote({**os.environ, "HOME": str(spare_dir)}, spare_dir)
+    offer_spare(spare)
+    recorder = Recorder()
+    kwargs: dict[str, Any] = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    env = {**os.environ, "CI": "not the spare's"}
+    starter = WarmStarter(env=env, uid=uid, popen_kwargs=kwargs, on_event=recorder)
+    out, err = _outputs(work, "imports")
+    try:
+        proc = starter.fork([*BOOTSTRAP, str(work / "quick.py")], env, out, err)
+        forked: Any = proc.wait(120)
+    except ColdStart as exc:
+        forked = f"cold: {exc}"
+    recorder.wait_for("ready")
+    result["imports"] = {
+        "message": recorder.events[0][1],
+        "spare_ended": spare.proc.wait(30),
+        "fork_code": forked,
+    }
+    starter.stop()
     for case in ("env", "workdir"):
         spare_dir = work / f"spare-{case}"
         spare_dir.mkdir(mode=0o700)
