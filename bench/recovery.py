@@ -592,12 +592,19 @@ def print_throughput(trials: list[TrialResult], window: float) -> None:
     console.print(table)
 
 
-def _starts(trials: list[TrialResult]) -> dict[str, float | None]:
+def _medians(
+    trials: list[TrialResult], figure: Callable[[TrialResult], float | None]
+) -> dict[str, float | None]:
+    """Per system, the median of ``figure`` over the trials that have it."""
     medians: dict[str, float | None] = {}
     for system in _systems(trials):
-        starts = [t.start_s for t in trials if t.system == system and t.start_s is not None]
-        medians[system] = statistics.median(starts) if starts else None
+        values = [v for t in trials if t.system == system and (v := figure(t)) is not None]
+        medians[system] = statistics.median(values) if values else None
     return medians
+
+
+def _starts(trials: list[TrialResult]) -> dict[str, float | None]:
+    return _medians(trials, lambda t: t.start_s)
 
 
 def print_start(trials: list[TrialResult]) -> None:
@@ -614,11 +621,7 @@ def print_start(trials: list[TrialResult]) -> None:
 
 
 def _joins(trials: list[TrialResult]) -> dict[str, float | None]:
-    medians: dict[str, float | None] = {}
-    for system in _systems(trials):
-        joins = [t.join_s for t in trials if t.system == system and t.join_s is not None]
-        medians[system] = statistics.median(joins) if joins else None
-    return medians
+    return _medians(trials, lambda t: t.join_s)
 
 
 def print_join(trials: list[TrialResult]) -> None:

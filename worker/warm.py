@@ -103,6 +103,31 @@ def spare_refusal(job_env: Mapping[str, str], spare_env: Mapping[str, str]) -> s
     return None
 
 
+def start_zygote(
+    env: Mapping[str, str], args: Sequence[str], popen_kwargs: Mapping[str, Any]
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """``python -u -m worker.zygote ARGS`` (a child of this process, in a session of its
+    own, stdin on /dev/null) and this end of its socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        command = [sys.executable, "-u", "-m", "worker.zygote", *args]
+        command += ["--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+        proc = subprocess.Popen(
+            command,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+            **popen_kwargs,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
+
+
 class SpareZygote:
     """A zygote loaded before any job (``worker.zygote --spare``): root's, with the
     spare launcher's environment less nothing and plus nothing of any job's, in a
@@ -111,24 +136,7 @@ class SpareZygote:
     def __init__(self, env: Mapping[str, str], cwd: Path) -> None:
         self.env = dict(env)
         self.import_s: float | None = None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock = ours
-        try:
-            command = [sys.executable, "-u", "-m", "worker.zygote", "--spare"]
-            command += ["--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
-            self.proc = subprocess.Popen(
-                command,
-                env=self.env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        self.proc, self.sock = start_zygote(self.env, ["--spare"], {"cwd": cwd})
 
     def wait_loaded(self, timeout: float) -> bool:
         """Whether it has loaded within ``timeout`` (its ``loaded`` message is taken)."""
@@ -161,6 +169,7 @@ _spare: SpareZygote | None = None
 
 
 def offer_spare(spare: SpareZygote) -> None:
+    """Leave ``spare`` for this process's ``WarmStarter`` to take (``take_spare``)."""
     global _spare
     _spare = spare
 
@@ -424,26 +433,9 @@ class Zygote:
             raise
 
     def _start(self, popen_kwargs: Mapping[str, Any]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = ours
-        try:
-            command = [sys.executable, "-u", "-m", "worker.zygote"]
-            command += ["--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
-            # No cwd=: the launcher's own is the job's working directory, and Popen would
-            # look the path up again as root, before the switch to the job's user.
-            self._proc = subprocess.Popen(
-                command,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-                **popen_kwargs,
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        # No cwd=: the launcher's own is the job's working directory, and Popen would look
+        # the path up again as root, before the switch to the job's user.
+        self._proc, self._sock = start_zygote(self.env, [], popen_kwargs)
 
     def rss_bytes(self) -> int | None:
         return procs.rss_bytes(self._proc.pid)

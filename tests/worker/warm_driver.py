@@ -306,6 +306,9 @@ def hostile(work: Path, uid: int | None) -> dict[str, Any]:
 
 
 def main() -> None:
+    # torch sets it in the environment of a process that imported torch._dynamo, as the test
+    # runner may have before it started this one; an agent's environment has none.
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     scenario, work = sys.argv[1], Path(sys.argv[2])
     uid = int(sys.argv[3]) if len(sys.argv) > 3 else None
     if uid is not None:  # the names a launcher gives a job's user (worker.sandbox._prepare)
