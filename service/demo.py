@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from contract.job_users import DEFAULT_JOB_UID_BASE, interpreter_refusal
 from service.client import RelaunchError
 from service.local_cluster import LocalCluster
 from service.timeline import print_timeline
@@ -39,6 +40,14 @@ def run_demo(console: Console, port: int = 8080, keep_running: bool | None = Non
     data_dir = Path(tempfile.mkdtemp(prefix="relaunch-demo-"))
     cluster = LocalCluster(data_dir=data_dir, port=port)
     console.print(f"[bold]relaunch demo[/]  (state and logs in {data_dir})")
+    if cluster.isolation == "user":
+        refusal = interpreter_refusal(DEFAULT_JOB_UID_BASE + 1)
+        if refusal is not None:
+            # One person's demo of their own job: it may run as them rather than not at all.
+            cluster.isolation = "none"
+            console.print(
+                f"[yellow]jobs run as this user, not as users of their own:[/] {escape(refusal)}"
+            )
     try:
         with console.status("starting the controller (SQLite, migrations)"):
             cluster.start_controller()

@@ -232,12 +232,38 @@ class LocalCluster:
         self.spawn(name, args, env, prefix)
 
     def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
+        """Wait until ``count`` nodes are alive. Fail at once, with what it said, when an
+        agent started here gave up (exited with an error status, not by a signal) and
+        the agents still running here plus the alive nodes not started here are fewer
+        than ``count``: nothing could then get there."""
         deadline = time.monotonic() + timeout_s
         with self.client() as client:
-            while sum(n["state"] == "ALIVE" for n in client.nodes()) < count:
+            while True:
+                alive = {n["name"] for n in client.nodes() if n["state"] == "ALIVE"}
+                if len(alive) >= count:
+                    return
+                agents = {name: p for name, p in self.procs.items() if name != "controller"}
+                gave_up = {name: p for name, p in agents.items() if (p.poll() or 0) > 0}
+                running = sum(p.poll() is None for p in agents.values())
+                if gave_up and running + len(alive - agents.keys()) < count:
+                    said = "; ".join(
+                        f"{name} (exit status {p.returncode}): {self.last_error(name)}"
+                        for name, p in gave_up.items()
+                    )
+                    raise RuntimeError(f"fewer than {count} node agents are running: {said}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"fewer than {count} nodes registered")
                 time.sleep(0.2)
+
+    def last_error(self, name: str) -> str:
+        """The last error that process ``name`` logged, else its last line."""
+        log = (self.log_dir or self.data_dir) / f"{name}.log"
+        try:
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line]
+        except OSError:
+            return f"no log at {log}"
+        errors = [line for line in lines if " ERROR " in line or " CRITICAL " in line]
+        return (errors or lines or ["(nothing logged)"])[-1].strip()
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
         proc = self.procs.pop(name, None)

@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from contract.job_users import first_closed_dir, interpreter_refusal
+
 if TYPE_CHECKING:
     from worker.warm import WarmStarter, Zygote
 
@@ -278,46 +280,6 @@ def start_refusal(isolation: str, uid_base: int, work_dir: Path) -> str | None:
             f"choose another work dir (RELAUNCH_AGENT_WORK_DIR) or chmod o+x {blocked}"
         )
     return interpreter_refusal(uid_base)
-
-
-def interpreter_refusal(uid: int) -> str | None:
-    """Why a job's user cannot run this interpreter (``python -c pass``); None if it can.
-
-    The message names the first directory on the way that others cannot pass."""
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", "pass"],
-            env={},
-            cwd="/",
-            capture_output=True,
-            timeout=PROBE_TIMEOUT_S,
-            check=False,
-            user=uid,
-            group=uid,
-            extra_groups=[],
-        )
-    except OSError as exc:
-        cause = str(exc)
-    else:
-        if result.returncode == 0:
-            return None
-        cause = result.stderr.decode(errors="replace").strip()[-500:]
-    blocked = first_closed_dir(Path(sys.executable))
-    where = f"; {blocked} does not let others pass (chmod o+x {blocked})" if blocked else ""
-    return (
-        f"a job's user (uid {uid}) cannot run the interpreter {sys.executable}: {cause}{where}. "
-        "Install Python where every user may run it"
-    )
-
-
-def first_closed_dir(path: Path) -> Path | None:
-    """The first directory on the way to ``path`` (links followed) that others may not pass."""
-    for candidate in (path, path.resolve()):
-        for parent in reversed(candidate.parents):
-            with contextlib.suppress(OSError):
-                if not os.stat(parent).st_mode & stat.S_IXOTH:
-                    return parent
-    return None
 
 
 def checked_error_file(torch_path: str, user: JobUser) -> None:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from contract.job_users import DEFAULT_JOB_UID_BASE
 from contract.protocol import DEFAULT_CONTROLLER_URL, MAX_GPUS_PER_NODE
 from worker.failover import controller_urls
 
@@ -105,7 +106,7 @@ class AgentSettings(BaseSettings):
         "(the agent must run as root); 'none': as the agent's user, for one trusted tenant",
     )
     job_uid_base: int = Field(
-        default=200000,
+        default=DEFAULT_JOB_UID_BASE,
         ge=1000,
         le=2**31 - 2,
         description="Job N runs as uid and gid job_uid_base + N ('user' isolation)",

@@ -130,3 +130,21 @@ def test_an_agent_with_a_wrong_enrolment_token_exits_non_zero_and_says_why(
     assert "refused the enrolment token" in log and "the enrolment token is wrong" in log
     assert "RELAUNCH_AGENT_ENROLMENT_TOKEN" in log
     assert "register failed" not in log and "Traceback" not in log
+
+
+def test_waiting_for_nodes_ends_with_what_an_agent_that_exited_said(tmp_path: Path) -> None:
+    # The demo and the benches wait for their agents: one that gave up must end the wait at
+    # once with its reason, not after the wait's whole timeout with a count.
+    cluster = LocalCluster(data_dir=tmp_path, port=free_port())
+    try:
+        cluster.start_controller()
+        cluster.start_agent(
+            "wrong", extra_env={"RELAUNCH_AGENT_ENROLMENT_TOKEN": "not-the-controllers"}
+        )
+        with pytest.raises(RuntimeError) as raised:
+            cluster.wait_nodes(1, timeout_s=600)
+    finally:
+        cluster.stop_all()
+    said = str(raised.value)
+    assert "fewer than 1 node agents are running: wrong (exit status 1)" in said
+    assert "refused the enrolment token" in said

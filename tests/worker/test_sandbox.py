@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from contract import job_users
 from contract.protocol import Assignment, AttemptExit, Entrypoint, RendezvousConfig
 from tests.helpers import wait_for
 from tests.worker.helpers import LiveController, placed
@@ -288,12 +289,12 @@ def test_an_agent_that_is_not_root_refuses_user_isolation(tmp_path: Path) -> Non
 
 
 def test_the_self_check_names_the_directory_a_jobs_user_cannot_pass(tmp_path: Path) -> None:
-    assert sandbox.interpreter_refusal(BASE) is None  # the tests opened the way
+    assert job_users.interpreter_refusal(BASE) is None  # the tests opened the way
     assert sandbox.start_refusal("user", BASE, tmp_path / "agent") is None
     closed = tmp_path / "closed"
     (closed / "bin").mkdir(parents=True)
     closed.chmod(0o700)
-    assert sandbox.first_closed_dir(closed / "bin" / "python") == closed
+    assert job_users.first_closed_dir(closed / "bin" / "python") == closed
     refusal = sandbox.start_refusal("user", BASE, closed / "agent")
     assert refusal is not None and f"lies under {closed}, which jobs' users cannot pass" in refusal
 
