@@ -609,4 +609,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker.ending import run_then_exit
+
+    run_then_exit(main)

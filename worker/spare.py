@@ -343,4 +343,6 @@ class SpareLauncher:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker.ending import run_then_exit
+
+    run_then_exit(main)

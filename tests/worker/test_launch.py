@@ -188,3 +188,37 @@ def test_a_cuda_attempt_with_too_few_gpus_fails_at_once_without_restarts(
     (exit_event,) = _of("launcher_exit", events)
     assert exit_event["outcome"] == "failed" and exit_event["fatal"]
     assert "startup error" in exit_event["message"]
+
+
+def test_the_launcher_ends_without_waiting_for_threads_left_running(tmp_path: Path) -> None:
+    # A thread that never ends (as torch's log tail of an interrupted start can be) must not
+    # keep a launcher alive once its main has returned or raised; what it printed arrives.
+    cases = {
+        "return 7": (7, "written before the end"),
+        "raise RuntimeError('boom')": (1, "RuntimeError: boom"),
+        "raise SystemExit(3)": (3, ""),
+    }
+    for body, (status, said) in cases.items():
+        code = textwrap.dedent(
+            f"""
+            import threading, sys
+            from worker.ending import run_then_exit
+            threading.Thread(target=threading.Event().wait, name="never-ends").start()
+            def main():
+                sys.stdout.write("written before the end")  # no newline: still buffered
+                {body}
+            run_then_exit(main)
+            """
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == status, (body, done.stderr)
+        assert done.stdout == "written before the end"
+        assert said in done.stderr + done.stdout
+        assert "exiting without waiting for threads: never-ends" in done.stderr
