@@ -110,6 +110,9 @@ class HangDetected(EventData):
     timeout_s: FiniteOrNone = None
     rule: Literal["fixed", "adaptive"] | None = None
     derivation: Annotated[PrintedText, Field(max_length=300)] | None = None
+    # The hung workers were all that still ran on their node, and another node's workers
+    # had all finished: they are ended, nothing restarts, and the node ends as finished.
+    peers_finished: bool = False
 
 
 class LauncherExited(EventData):

@@ -269,7 +269,13 @@ def _hang(data: HangDetected, at: _Applied) -> None:
         "hang_detected",
         f"worker rank {data.global_rank} (local rank {data.local_rank} on "
         f"node {at.node.name}) made no progress for {data.idle_s} s (hang timeout "
-        f"{_hang_timeout_text(data)}); its stack dump is in the logs, the workers restart",
+        f"{_hang_timeout_text(data)}); its stack dump is in the logs, "
+        + (
+            "and another node's workers had all finished: it is ended, without a restart, "
+            "and its node finishes"
+            if data.peers_finished
+            else "the workers restart"
+        ),
         data,
     )
 

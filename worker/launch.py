@@ -154,6 +154,9 @@ class Supervision:
     # member (``worker.attempt.Attempt.follow_membership``); no worker can write it.
     membership_file: Path | None = None
     charged: bool = False  # whether the last failed group had a failure that costs a restart
+    # The hung workers ended last were all that still ran here, and another node's
+    # workers had all finished: their end is this node's finish, not a failure.
+    ended_after_peers: bool = False
     beats: BeatWatches | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -260,13 +263,20 @@ class Supervision:
         return hung
 
     def end_hung(
-        self, all_workers: Sequence[Any], hung: list[tuple[Any, float, HangTimeout]]
+        self,
+        all_workers: Sequence[Any],
+        hung: list[tuple[Any, float, HangTimeout]],
+        peers_finished: bool = False,
     ) -> None:
         """Dump every local worker's stacks into the logs, then SIGKILL the hung ones.
 
         The next monitor pass sees them failed; torch restarts the group and the
-        failure is reported with cause "hang".
+        failure is reported with cause "hang". With ``peers_finished`` (the hung
+        workers are all that still ran here, and another node's workers had all
+        finished), nothing restarts: that pass ends this node as finished
+        (``finished_after_peers``).
         """
+        self.ended_after_peers = peers_finished
         for worker, idle, timeout in hung:
             logger.error(
                 "%s worker rank %s (local rank %s, pid %s) made no progress for %.1f s "
@@ -282,6 +292,7 @@ class Supervision:
                     timeout_s=timeout.seconds,
                     rule=timeout.rule,
                     derivation=timeout.derivation[:300],
+                    peers_finished=peers_finished,
                 )
             )
         if self.beats is not None and any(t.rule == "adaptive" for _, _, t in hung):
@@ -297,6 +308,54 @@ class Supervision:
         for worker, _, _ in hung:
             self.hung_pids.add(worker.id)
             _signal(worker.id, signal.SIGKILL)
+
+    def finished_after_peers(self, failures: dict[int, Any]) -> bool:
+        """Whether this failed group is only the hung workers ended after another node's
+        workers had all finished (``end_hung``). Torch would restart the group, and its
+        rendezvous could never form: the finished nodes wait in torch's exit barrier,
+        not for a new round. A worker stuck in its teardown (a process group's
+        destructor that waits for a thread) is one such case."""
+        ended_after_peers, self.ended_after_peers = self.ended_after_peers, False
+        if not ended_after_peers or not failures:
+            return False
+        if any(f.pid not in self.hung_pids for f in failures.values()):
+            return False
+        self.hung_pids.clear()
+        ranks = ", ".join(str(rank) for rank in sorted(failures))
+        logger.warning(
+            "%s worker rank(s) %s ended as hung after another node's workers had all "
+            "finished: this node finishes too, without a restart",
+            _CTX,
+            ranks,
+        )
+        return True
+
+
+def _running_only(agent: Any, hung: list[tuple[Any, float, HangTimeout]]) -> bool:
+    """Whether the ``hung`` workers are all of the agent's local workers that still run
+    (the others exited 0: a group with a failed one is not healthy)."""
+    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
+    if not handlers:
+        return False
+    hung_ids = {worker.id for worker, _, _ in hung}
+    return all(
+        handler.proc.pid in hung_ids or handler.proc.poll() is not None
+        for handler in handlers.values()
+    )
+
+
+def _peers_finished(agent: Any) -> bool:
+    """Whether another node's agent of this round has entered torch's exit barrier, which
+    it does once its workers have all exited 0 (``SimpleElasticAgent._exit_barrier``:
+    it adds 1 to a count in the round's store). False if the store cannot say."""
+    try:
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+        from torch.distributed.elastic.utils.store import _NUM_MEMBERS
+
+        return int(agent._store.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, 0)) > 0
+    except Exception as exc:  # a torch without these names, or a store gone
+        logger.info("%s cannot tell whether other nodes finished: %s", _CTX, exc)
+        return False
 
 
 @dataclass
@@ -363,11 +422,17 @@ def install_event_hooks(supervision: Supervision) -> None:
     - ``SimpleElasticAgent._restart_workers(worker_group)`` runs for failures
       and for membership changes alike; after a failure that costs a restart it
       first waits the back-off of the job's next restart.
+    - Hung workers after the peers finished: ``agent._pcontext.subprocess_handlers``
+      (each ``.proc`` polled) says which local workers still run, and the round's
+      store (``agent._store``) counts the agents in ``_exit_barrier``
+      (``_TERMINAL_STATE_SYNC_ID`` + ``_NUM_MEMBERS``, utils/store.py). A success
+      handed back to ``_invoke_run`` has a return value per worker, as
+      ``SimpleElasticAgent.run`` records one event per worker.
 
     The wrappers call the originals and return their results. Install once per
     process, before ``torch.distributed.run.run``.
     """
-    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     original_rendezvous: Callable[..., None] = LocalElasticAgent._rendezvous
@@ -406,6 +471,11 @@ def install_event_hooks(supervision: Supervision) -> None:
     @functools.wraps(original_monitor)
     def _monitor_workers(self: Any, worker_group: Any) -> Any:
         result = original_monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and supervision.finished_after_peers(result.failures):
+            # Every worker a return value, as torch's own success has: its run() records
+            # one event per worker and refuses a worker it cannot place.
+            values = {worker.global_rank: None for worker in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
         if result.state == WorkerState.FAILED:
             if supervision.on_failed(result.failures):
                 self._remaining_restarts = 0
@@ -416,7 +486,8 @@ def install_event_hooks(supervision: Supervision) -> None:
         elif result.state == WorkerState.HEALTHY:
             hung = supervision.find_hung(worker_group.workers)
             if hung:
-                supervision.end_hung(worker_group.workers, hung)
+                peers_finished = _running_only(self, hung) and _peers_finished(self)
+                supervision.end_hung(worker_group.workers, hung, peers_finished)
         return result
 
     @functools.wraps(original_restart)

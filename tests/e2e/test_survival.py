@@ -339,6 +339,51 @@ def _script(tmp: Path, name: str, body: str) -> str:
     return str(path)
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_script.py"
+
+
+def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
+) -> None:
+    """Rank 1 trains to the end, then never exits (as a process group's destructor that
+    waits for a thread can leave it). Rank 0's node has finished and waits in torch's exit
+    barrier, so a restart could never form: the stuck worker is ended as hung, its node
+    finishes, and the job succeeds without a restart."""
+    start_nodes(cluster, nodes, "stuck-a", "stuck-b")
+    script = _script(
+        tmp_path,
+        "stuck_at_exit.py",
+        "import os, runpy, sys, time\n"
+        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(3600)\n",
+    )
+    spec = {
+        "name": "stuck-at-exit",
+        "script": {"path": script},
+        "nnodes": "2:2",
+        "max_restarts": 3,
+        "hang_timeout_s": 8,
+    }
+    job_id = client.submit(spec)["id"]
+
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restart_count"] == 0
+    assert job["last_step"] == 40
+    events = client.events(job_id)
+    [hang] = [e for e in events if e["kind"] == "hang_detected"]
+    assert hang["data"]["peers_finished"] is True
+    assert hang["data"]["global_rank"] == 1
+    assert "without a restart" in hang["message"]
+    assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
+    # Both launchers ended as finished: the stuck worker's too, through torch's exit barrier.
+    [attempt] = job["attempts"]
+    assert [(m["state"], m["exit_code"]) for m in attempt["members"]] == [("FINISHED", 0)] * 2
+    wait_no_processes(cluster, job_id)
+
+
 def test_fatal_errors_fail_at_once_and_crashes_spend_the_budget(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
 ) -> None:

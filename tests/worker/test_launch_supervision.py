@@ -14,7 +14,7 @@ import pytest
 
 from contract.events import EventKind
 from contract.protocol import RestartPolicy
-from worker.hang import FLOOR_S, HangRule
+from worker.hang import FLOOR_S, HangRule, HangTimeout
 from worker.launch import Supervision
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
@@ -259,6 +259,30 @@ def test_the_default_timeout_follows_the_beats_the_launcher_sees(tmp_path: Path)
     gone = Worker(local_rank=0, global_rank=0, id=None)  # nothing to signal
     supervision.end_hung([gone], [(gone, idle, timeout)])
     assert supervision.beats is not None and supervision.beats.rule.floor_s == 2 * FLOOR_S
+
+
+def test_hung_workers_ended_after_the_peers_finished_are_a_finish_only_alone(
+    tmp_path: Path,
+) -> None:
+    supervision, path = _supervision(tmp_path, hang_rule=HangRule(5), progress_dir=tmp_path)
+    stuck = Worker(local_rank=0, global_rank=1, id=None)  # nothing to signal
+    timeout = HangTimeout(5, "fixed", "5 s")
+    supervision.end_hung([stuck], [(stuck, 6.0, timeout)], peers_finished=True)
+    supervision.hung_pids.add(4242)  # as end_hung records a worker it killed
+    ended = Failure(0, 4242, -9, "<N/A>", error_file="<N/A>")
+    crashed = Failure(1, 4343, 1, "<N/A>", error_file="<N/A>")
+    # Another failure beside the hung one is a failure, and the flag is spent either way.
+    assert supervision.finished_after_peers({1: ended, 2: crashed}) is False
+    assert supervision.finished_after_peers({1: ended}) is False
+    supervision.end_hung([stuck], [(stuck, 6.0, timeout)], peers_finished=True)
+    assert supervision.finished_after_peers({1: ended}) is True
+    assert supervision.hung_pids == set()
+    supervision.end_hung([stuck], [(stuck, 6.0, timeout)])  # peers still running
+    supervision.hung_pids.add(4242)
+    assert supervision.finished_after_peers({1: ended}) is False
+    supervision.events.close()
+    hangs = [e["data"] for e in _emitted(path) if e["kind"] == EventKind.HANG]
+    assert [h["peers_finished"] for h in hangs] == [True, True, False]
 
 
 def test_restart_back_off_doubles_up_to_the_cap() -> None:
