@@ -445,6 +445,7 @@ def _result(
             "count": len(stats.heartbeat_ms),
             "timed_out": stats.heartbeat_timeouts,
             "per_s": len(stats.heartbeat_ms) / wall,
+            "interval_told_s_max": stats.interval_told_s_max,
             "p50_ms": quantile(stats.heartbeat_ms, 0.5),
             "p99_ms": heartbeat_p99,
             "server_mean_ms": 1000 * heartbeat_server / heartbeat_server_n
@@ -515,7 +516,8 @@ def print_table(result: dict[str, Any]) -> None:
         "heartbeat answer (nodes' side)",
         f"{hb['p50_ms']:.1f}",
         f"{hb['p99_ms']:.1f}",
-        f"{hb['per_s']:.0f}/s; controller's own p50 {hb['server_p50_ms']:.1f} / p99 "
+        f"{hb['per_s']:.0f}/s at an interval of up to {hb['interval_told_s_max']:.1f} s; "
+        f"controller's own p50 {hb['server_p50_ms']:.1f} / p99 "
         f"{hb['server_p99_ms']:.1f} ms, mean {hb['server_mean_ms']:.1f} ms"
         + (
             f"; {hb['timed_out']} unanswered in {AGENT_TIMEOUT_S:g} s (counted at that)"

@@ -66,6 +66,8 @@ class FleetStats:
 
     heartbeat_ms: list[float] = field(default_factory=list)
     heartbeat_timeouts: int = 0
+    # The longest heartbeat interval the controller told a node (its pace).
+    interval_told_s_max: float = 0.0
     report_ms: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     runs_started: int = 0
@@ -175,6 +177,11 @@ class SimNode:
             self._stats.error(f"heartbeat {response.status_code}")
             return
         reply = HeartbeatReply.model_validate(response.json())
+        if reply.heartbeat_interval_s is not None:  # the controller's pace, as agents follow it
+            self._interval_s = reply.heartbeat_interval_s
+            self._stats.interval_told_s_max = max(
+                self._stats.interval_told_s_max, reply.heartbeat_interval_s
+            )
         wanted = {a.attempt_id for a in reply.assignments}
         for attempt_id in [a for a in self._runs if a not in wanted]:
             self._runs[attempt_id][1].cancel()  # no longer assigned: the run stops

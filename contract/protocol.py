@@ -258,6 +258,12 @@ class Heartbeat(BaseModel):
 
 class HeartbeatReply(BaseModel):
     assignments: list[Assignment] = Field(default_factory=list)
+    heartbeat_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="How long to wait before the next heartbeat: longer as the fleet grows "
+        "(absent from a controller that does not pace its nodes: keep the last interval)",
+    )
 
 
 class LogLine(BaseModel):

@@ -15,12 +15,21 @@ same values gets the same assignment without rendering it again. The key is what
 this heartbeat's own transaction read, never what this controller did, so
 controllers that share a database stay right: a change that another one makes
 (a member lost, a restart) changes the values read, hence the key.
+
+The answer also tells the node when to send the next heartbeat (``Pace``): the
+base interval while the fleet is small, longer once the ALIVE nodes at that
+interval would send more than ``heartbeats_per_s_max`` a second. The interval
+told is kept on the node's row, and the reconciler gives the node that much
+more silence before it is lost (``service.reconciler.NodeView.extra_silence``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -39,6 +48,44 @@ from service.states import AttemptState, MemberState, NodeState
 
 # Rendered assignments kept per controller: more than a fleet's running memberships.
 ANSWERS_KEPT = 20_000
+# How long a count of the ALIVE nodes sets the pace before it is read again.
+PACE_RECOUNT_S = 5.0
+
+
+def paced_interval(alive_nodes: int, base_s: float, per_s_max: float) -> float:
+    """The interval to tell a node: ``base_s``, or longer so that ``alive_nodes`` nodes
+    send at most ``per_s_max`` heartbeats a second together; a longer one is rounded up
+    to a tenth of a second."""
+    needed = alive_nodes / per_s_max
+    if needed <= base_s:
+        return base_s
+    return math.ceil(round(needed * 10, 6)) / 10
+
+
+class Pace:
+    """The heartbeat interval this controller tells nodes (``paced_interval``), from a
+    count of the ALIVE nodes read at most every ``PACE_RECOUNT_S`` (one indexed count,
+    in the transaction of the heartbeat that finds it stale). Every controller sharing
+    the database counts the same nodes. Safe to share between threads."""
+
+    def __init__(
+        self, settings: ControllerSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._base_s = settings.heartbeat_interval_s
+        self._per_s_max = settings.heartbeats_per_s_max
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._interval_s = self._base_s
+        self._counted_at: float | None = None
+
+    def interval(self, session: Session) -> float:
+        with self._lock:
+            now = self._clock()
+            if self._counted_at is None or now - self._counted_at >= PACE_RECOUNT_S:
+                self._counted_at = now
+                alive = session.scalar(_ALIVE_NODES) or 0
+                self._interval_s = paced_interval(alive, self._base_s, self._per_s_max)
+            return self._interval_s
 
 
 @dataclass(frozen=True)
@@ -73,9 +120,12 @@ class Answers:
                 self._kept.popitem(last=False)
 
 
-def record(session: Session, node_id: int, token: str, body: Heartbeat, now: datetime) -> bool:
+def record(
+    session: Session, node_id: int, token: str, body: Heartbeat, now: datetime, interval_s: float
+) -> bool:
     """Record the heartbeat of node ``node_id`` if it is ALIVE and ``token`` is its node
-    token, in one UPDATE; False (nothing written) otherwise."""
+    token, with the ``interval_s`` its answer tells it, in one UPDATE; False (nothing
+    written) otherwise."""
     if not token.startswith(auth.NODE_TOKEN_PREFIX):
         return False
     params = {
@@ -83,6 +133,7 @@ def record(session: Session, node_id: int, token: str, body: Heartbeat, now: dat
         "node_token_hash": auth.token_hash(token),
         "seen_at": now,
         "usage": [u.model_dump() for u in body.gpus],
+        "interval_s": interval_s,
     }
     return session.execute(_RECORD, params).first() is not None
 
@@ -94,11 +145,13 @@ def answer(
     settings: ControllerSettings,
     keyring: Keyring,
     answers: Answers,
+    interval_s: float,
 ) -> bytes:
     """The JSON of the ``HeartbeatReply``: every assignment of the node, rendered or taken
-    from ``answers``. One the node does not run yet carries a new worker token
-    (``service.fence``): the node starts it with the token of the reply it acts on, and
-    one it runs keeps the token its workers hold."""
+    from ``answers``, and the ``interval_s`` to wait before the next heartbeat. An
+    assignment the node does not run yet carries a new worker token (``service.fence``):
+    the node starts it with the token of the reply it acts on, and one it runs keeps the
+    token its workers hold."""
     held = memberships(session, node_id)
     rendered: dict[Membership, Rendered] = {}
     for m in held:
@@ -124,7 +177,8 @@ def answer(
             token = issue_worker_token(session, m.member_id)
             told = rendered[m].assignment.model_copy(update={"worker_token": token})
             parts.append(told.model_dump_json().encode())
-    return b'{"assignments":[' + b",".join(parts) + b"]}"
+    pace = f'],"heartbeat_interval_s":{interval_s!r}}}'.encode()
+    return b'{"assignments":[' + b",".join(parts) + pace
 
 
 def memberships(session: Session, node_id: int) -> list[Membership]:
@@ -179,10 +233,12 @@ _RECORD = (
     .values(
         last_heartbeat_at=bindparam("seen_at", type_=Node.__table__.c.last_heartbeat_at.type),
         gpu_usage=bindparam("usage", type_=Node.__table__.c.gpu_usage.type),
+        heartbeat_interval_s=bindparam("interval_s"),
     )
     .returning(Node.id)
     .execution_options(synchronize_session=False)
 )
+_ALIVE_NODES = select(func.count()).select_from(Node).where(Node.state == NodeState.ALIVE)
 _MEMBERSHIPS = (
     select(
         AttemptMember.id,

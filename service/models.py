@@ -259,6 +259,9 @@ class Node(Base):
     state: Mapped[NodeState] = mapped_column(_state_column(NodeState), index=True)
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime]
+    # The interval its last reply told it to wait before the next heartbeat
+    # (``service.heartbeats.Pace``); NULL: the controller's heartbeat_interval_s.
+    heartbeat_interval_s: Mapped[float | None] = mapped_column(Float)
     # sha256 of the token issued at the node's last registration; its agent's credential.
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
     # What its agent said at its last registration: ``contract.protocol.GpuInfo`` dumps.

@@ -22,8 +22,11 @@ from service.transitions import transition
 logger = logging.getLogger(__name__)
 
 
-def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
-    """Create the node, or take it back after an agent restart.
+def register_node(
+    session: Session, body: NodeRegister, now: datetime, interval_s: float | None = None
+) -> Node:
+    """Create the node, or take it back after an agent restart; ``interval_s``: the
+    heartbeat interval its reply tells it (None: the controller's base interval).
 
     An agent registers only when it starts (having ended what its previous life
     left running) or when the controller forgot it, so any membership its name
@@ -50,6 +53,7 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
             state=NodeState.ALIVE,
             registered_at=now,
             last_heartbeat_at=now,
+            heartbeat_interval_s=interval_s,
         )
         _take_inventory(node, body)
         session.add(node)
@@ -69,6 +73,7 @@ def register_node(session: Session, body: NodeRegister, now: datetime) -> Node:
         raise StaleState(f"node {node.id} is no longer {node.state}")
     node.address, node.slots, node.pid = body.address, body.slots, body.pid
     node.registered_at, node.last_heartbeat_at = now, now
+    node.heartbeat_interval_s = interval_s
     _take_inventory(node, body)
     logger.info("node=%s registered again name=%s gpus=%d", node.id, node.name, len(node.gpus))
     return node
@@ -130,18 +135,29 @@ def get_node(session: Session, node_id: int, *, for_update: bool = False) -> Nod
     return node
 
 
-def record_heartbeat(session: Session, node_id: int, body: Heartbeat, now: datetime) -> None:
-    """Record that the node lives (a LOST or LEFT node is ALIVE again) and how its GPUs
-    are used: the way for any node, where ``service.heartbeats.record`` is the short
-    way for an ALIVE one."""
+def record_heartbeat(
+    session: Session, node_id: int, body: Heartbeat, now: datetime, interval_s: float | None = None
+) -> None:
+    """Record that the node lives (a LOST or LEFT node is ALIVE again), how its GPUs
+    are used and the ``interval_s`` its answer tells it (None: the base interval): the
+    way for any node, where ``service.heartbeats.record`` is the short way for an ALIVE
+    one."""
     node = get_node(session, node_id, for_update=True)
     usage = [u.model_dump() for u in body.gpus]
     if node.state is not NodeState.ALIVE:
-        if not transition(session, node, NodeState.ALIVE, last_heartbeat_at=now, gpu_usage=usage):
+        if not transition(
+            session,
+            node,
+            NodeState.ALIVE,
+            last_heartbeat_at=now,
+            gpu_usage=usage,
+            heartbeat_interval_s=interval_s,
+        ):
             raise StaleState(f"node {node.id} is no longer {node.state}")
         logger.info("node=%s name=%s is back", node.id, node.name)
     else:
         node.last_heartbeat_at, node.gpu_usage = now, usage
+        node.heartbeat_interval_s = interval_s
 
 
 @dataclass(frozen=True)

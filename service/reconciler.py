@@ -71,6 +71,9 @@ class NodeView:
     # ACTIVE memberships of attempts that have ended (their launchers are finishing):
     # they hold the node (on "cpu") or their GPUs (on "cuda") as long as they last.
     ending: tuple[Hold, ...] = ()
+    # What the heartbeat interval it was last told exceeds the base one by
+    # (``service.heartbeats.Pace``): that much more silence before it is lost.
+    extra_silence: timedelta = timedelta(0)
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,8 @@ def plan(
 ) -> list[Action]:
     """Decide what to do now. Pure: same inputs, same actions.
 
-    - A live node silent for longer than ``node_timeout`` is lost; its
+    - A live node silent for longer than ``node_timeout`` (plus its
+      ``extra_silence``, when it was told a longer heartbeat interval) is lost; its
       memberships end (the elastic agents of the other nodes carry on at the
       smaller world size).
     - An active job with fewer than MIN members left stops its attempt and
@@ -203,9 +207,11 @@ def plan(
     lost = {
         n.id
         for n in nodes
-        if n.state is NodeState.ALIVE and now - n.last_heartbeat_at > node_timeout
+        if n.state is NodeState.ALIVE and now - n.last_heartbeat_at > node_timeout + n.extra_silence
     }
-    actions += [MarkNodeLost(n.id, now - node_timeout) for n in nodes if n.id in lost]
+    actions += [
+        MarkNodeLost(n.id, now - node_timeout - n.extra_silence) for n in nodes if n.id in lost
+    ]
     alive = sorted(
         (n for n in nodes if n.state is NodeState.ALIVE and n.id not in lost), key=lambda n: n.id
     )
@@ -312,10 +318,11 @@ SpecCache = dict[tuple[int, datetime], JobSpec]
 
 
 def load_views(
-    session: Session, specs: SpecCache | None = None
+    session: Session, specs: SpecCache | None = None, base_interval_s: float | None = None
 ) -> tuple[list[NodeView], list[JobView]]:
-    """The nodes (with their GPUs, and what ended attempts' active members still hold on
-    them) and the open jobs, each open job with its owner and its running attempt's
+    """The nodes (with their GPUs, what ended attempts' active members still hold on
+    them and, given the ``base_interval_s`` of heartbeats, the silence each was allowed
+    beyond it) and the open jobs, each open job with its owner and its running attempt's
     device and active members (with the GPUs each holds).
 
     A fixed number of statements however many jobs are open: nodes, open jobs,
@@ -326,7 +333,14 @@ def load_views(
     error, as ``running_attempt`` says.
     """
     specs = {} if specs is None else specs
-    node_columns = (Node.id, Node.state, Node.last_heartbeat_at, Node.slots, Node.gpus)
+    node_columns = (
+        Node.id,
+        Node.state,
+        Node.last_heartbeat_at,
+        Node.slots,
+        Node.gpus,
+        Node.heartbeat_interval_s,
+    )
     node_rows = session.execute(select(*node_columns)).all()
     open_jobs = Job.state.in_([s for s in JobState if not s.is_terminal()])
     columns = (
@@ -384,8 +398,9 @@ def load_views(
             slots,
             tuple(sorted(int(g["index"]) for g in gpus or ())),
             tuple(ending.get(node_id, ())),
+            _extra_silence(told_s, base_interval_s),
         )
-        for node_id, state, seen, slots, gpus in node_rows
+        for node_id, state, seen, slots, gpus, told_s in node_rows
     ]
     _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
     jobs: list[JobView] = []
@@ -420,6 +435,13 @@ def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, dateti
         stmt = select(Job.id, Job.created_at, Job.spec).where(Job.id.in_(chunk))
         for job_id, created_at, stored in session.execute(stmt):
             specs[job_id, created_at] = parse_stored_spec(stored)
+
+
+def _extra_silence(told_s: float | None, base_s: float | None) -> timedelta:
+    """What a node's told heartbeat interval exceeds the base one by (none unknown)."""
+    if told_s is None or base_s is None:
+        return timedelta(0)
+    return timedelta(seconds=max(0.0, told_s - base_s))
 
 
 def stalled(last_pass: datetime | None, now: datetime, node_timeout: timedelta) -> bool:
@@ -527,7 +549,7 @@ class Reconciler:
     ) -> list[Action]:
         phase = _PhaseTimer(self._metrics)
         with transaction(self._factory) as session:
-            nodes, jobs = load_views(session, self._specs)
+            nodes, jobs = load_views(session, self._specs, self._settings.heartbeat_interval_s)
         phase.done("load")
         nodes = [
             replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))

@@ -71,8 +71,28 @@ class ControllerSettings(BaseSettings):
         "(default: data_dir/snapshots) or an fsspec URL such as s3://bucket/relaunch",
     )
 
-    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
-    node_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    heartbeat_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="How often agents heartbeat while the fleet is small enough "
+        "(heartbeats_per_s_max); a larger fleet is told a longer interval",
+    )
+    heartbeats_per_s_max: float = Field(
+        default=100.0,
+        gt=0,
+        le=100_000,
+        description="The heartbeats a second the nodes together may send: each reply tells "
+        "its node to wait max(heartbeat_interval_s, ALIVE nodes / this) before the next, "
+        "and a node's timeout grows by what its interval exceeds heartbeat_interval_s",
+    )
+    node_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="Silence after which a node told heartbeat_interval_s is lost; one "
+        "told a longer interval gets the difference on top",
+    )
     reconcile_interval_s: float = Field(default=0.5, gt=0, le=60)
     share_gpu_nodes_across_users: bool = Field(
         default=False,

@@ -390,6 +390,7 @@ class NodeAgent:
         except ControllerError as exc:
             logger.warning("node=%s heartbeat failed: %s", self._node_id, exc)
             return
+        self._follow_pace(reply.heartbeat_interval_s)
         plan = plan_reconcile(
             reply.assignments,
             set(self._attempts),
@@ -411,6 +412,20 @@ class NodeAgent:
             held = self._attempts.get(assignment.attempt_id)
             if held is not None and held.assignment.member_id == assignment.member_id:
                 held.follow_membership(assignment)  # does not block
+
+    def _follow_pace(self, interval_s: float | None) -> None:
+        """Send the next heartbeat after the interval the reply gave: the controller
+        lengthens it as the fleet grows (``service.heartbeats.Pace``)."""
+        if interval_s is None or interval_s == self._heartbeat_s:
+            return
+        logger.info(
+            "node=%s heartbeat every %.1fs from now (was %.1fs): the controller's pace",
+            self._node_id,
+            interval_s,
+            self._heartbeat_s,
+        )
+        self._next_heartbeat += interval_s - self._heartbeat_s  # step() set it: sent + old
+        self._heartbeat_s = interval_s
 
     def _waits(self, assignment: Assignment) -> bool:
         """Whether ``assignment`` must wait (for a later heartbeat) for the workers of an

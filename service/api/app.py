@@ -43,7 +43,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
-from service.heartbeats import Answers
+from service.heartbeats import Answers, Pace
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.schemas import Problem
@@ -131,6 +131,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = controller_metrics
     app.state.heartbeat_answers = Answers()
+    app.state.heartbeat_pace = Pace(settings)
     app.include_router(health.router)
     app.include_router(metrics.router)
     for router in (

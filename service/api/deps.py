@@ -15,7 +15,7 @@ from service import auth
 from service.api.answers import AnswerCache
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
-from service.heartbeats import Answers
+from service.heartbeats import Answers, Pace
 from service.metrics import ControllerMetrics
 from service.models import Node, Role, User
 from service.secrets import Keyring
@@ -74,6 +74,12 @@ async def get_answers(request: Request) -> AnswerCache:
     return cache
 
 
+async def get_pace(request: Request) -> Pace:
+    """The heartbeat interval this controller tells nodes (``service.heartbeats.Pace``)."""
+    pace: Pace = request.app.state.heartbeat_pace
+    return pace
+
+
 async def get_heartbeat_answers(request: Request) -> Answers:
     """The heartbeat answers this controller has rendered (``service.heartbeats``)."""
     answers: Answers = request.app.state.heartbeat_answers
@@ -112,6 +118,7 @@ MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
 CredentialsDep = Annotated[auth.CredentialCache, Depends(get_credentials)]
 AnswersDep = Annotated[AnswerCache, Depends(get_answers)]
 HeartbeatAnswersDep = Annotated[Answers, Depends(get_heartbeat_answers)]
+PaceDep = Annotated[Pace, Depends(get_pace)]
 WakeDep = Annotated[Callable[[float], bool], Depends(get_wake)]
 
 # Ids are 64-bit in the database; a larger number is a client's mistake (422), not a 500.

@@ -38,6 +38,7 @@ from service.api.deps import (
     NodeDep,
     NowDep,
     Offset,
+    PaceDep,
     PageLimit,
     ReadFactoryDep,
     ReadSessionDep,
@@ -63,19 +64,19 @@ def register(
     settings: SettingsDep,
     now: NowDep,
     wake: WakeDep,
+    pace: PaceDep,
 ) -> NodeRegistered:
     """401 or 403: the enrolment credential does not admit this name; 409: the name is
     an ALIVE node's and the request does not carry that node's token."""
     with transaction(factory) as session:
         enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
-        node = nodes.register_node(session, body, now)
+        interval_s = pace.interval(session)
+        node = nodes.register_node(session, body, now, interval_s)
         node_token = auth.issue_node_token(session, node)
     # A waiting job, or a running one that may grow, gets the node in a pass that ends
     # before the reply: the agent's first heartbeat, sent at once, finds its assignment.
     wake(REGISTER_WAITS_FOR_PASS_S)
-    return NodeRegistered(
-        node_id=node.id, heartbeat_interval_s=settings.heartbeat_interval_s, node_token=node_token
-    )
+    return NodeRegistered(node_id=node.id, heartbeat_interval_s=interval_s, node_token=node_token)
 
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatReply)
@@ -88,21 +89,26 @@ def heartbeat(
     settings: SettingsDep,
     keyring: KeyringDep,
     answers: HeartbeatAnswersDep,
+    pace: PaceDep,
     now: NowDep,
 ) -> Response:
     """An ALIVE node's heartbeat with its own token is recorded and answered in one
-    transaction of two statements (``service.heartbeats``); any other call is checked
-    as every node route's is (401, 403) and then recorded the long way (a LOST or LEFT
-    node is ALIVE again). The answer's JSON is made of assignments kept as JSON."""
+    transaction of two statements (``service.heartbeats``; a third, every few seconds,
+    counts the ALIVE nodes for the pace); any other call is checked as every node
+    route's is (401, 403) and then recorded the long way (a LOST or LEFT node is ALIVE
+    again). The answer's JSON is made of assignments kept as JSON."""
     token = credentials.credentials if credentials is not None else None
     with transaction(factory) as session:
-        if token is not None and heartbeats.record(session, node_id, token, body, now):
-            reply = heartbeats.answer(session, node_id, body, settings, keyring, answers)
+        interval_s = pace.interval(session)
+        if token is not None and heartbeats.record(session, node_id, token, body, now, interval_s):
+            reply = heartbeats.answer(
+                session, node_id, body, settings, keyring, answers, interval_s
+            )
             return Response(reply, media_type="application/json")
     node = get_node(node_id, read_factory, credentials)
     with transaction(factory) as session:
-        nodes.record_heartbeat(session, node.id, body, now)
-        reply = heartbeats.answer(session, node.id, body, settings, keyring, answers)
+        nodes.record_heartbeat(session, node.id, body, now, interval_s)
+        reply = heartbeats.answer(session, node.id, body, settings, keyring, answers, interval_s)
     return Response(reply, media_type="application/json")
 
 

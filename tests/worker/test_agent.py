@@ -137,3 +137,34 @@ def test_a_stopping_agent_says_it_leaves_and_survives_a_controller_that_is_down(
     agent.request_stop()
     agent.run()  # the controller is down: the node times out there instead
     assert client.calls[-1] == "leave 7"
+
+
+def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -> None:
+    """The controller lengthens the interval as its fleet grows (and shortens it again);
+    a reply without one (an older controller) keeps the last."""
+    agent, client, clock = _agent(tmp_path)
+    told: list[float | None] = [5.0, None, 1.0, 1.0]
+
+    def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
+        client.calls.append(f"heartbeat {node_id}")
+        return HeartbeatReply(heartbeat_interval_s=told.pop(0))
+
+    client.heartbeat = paced  # type: ignore[method-assign]
+    agent.step()  # registers: every 2 s, as registration said
+    agent.step()  # the first heartbeat: 5 s from now
+    assert client.calls.count("heartbeat 7") == 1
+    clock.now += 4.9
+    agent.step()
+    assert client.calls.count("heartbeat 7") == 1
+    clock.now += 0.2
+    agent.step()  # the second: no interval given, still 5 s
+    assert client.calls.count("heartbeat 7") == 2
+    clock.now += 4.9
+    agent.step()
+    assert client.calls.count("heartbeat 7") == 2
+    clock.now += 0.2
+    agent.step()  # the third: 1 s from now
+    assert client.calls.count("heartbeat 7") == 3
+    clock.now += 1.05
+    agent.step()
+    assert client.calls.count("heartbeat 7") == 4
