@@ -18,6 +18,10 @@ interval, run what they are assigned and report on it until it succeeds. For
 
     python -m bench.control_plane --nodes 200 --jobs 2000 --db sqlite --seconds 60 \\
         --json control-plane.json
+
+``--baseline-fixed-interval`` runs the same load twice, back to back: first with the
+heartbeat pace off (every node told the base interval, as before the pace), then as
+configured, and prints the two side by side.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ import secrets
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +76,8 @@ class Options:
     training: Training = field(default_factory=Training)
     pg_admin_url: str = PG_ADMIN_URL
     work_dir: Path | None = None  # kept, with the controller's log; default: a temporary one
+    # RELAUNCH_HEARTBEATS_PER_S_MAX of the controller; None: its default.
+    heartbeats_per_s_max: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ def run(options: Options) -> dict[str, Any]:
 def started_controller(options: Options, work: Path, metrics_token: str) -> Iterator[LocalCluster]:
     """A controller on a database of its own (PostgreSQL: a fresh one, dropped after)."""
     env = {"RELAUNCH_METRICS_TOKEN": metrics_token}
+    if options.heartbeats_per_s_max is not None:
+        env["RELAUNCH_HEARTBEATS_PER_S_MAX"] = f"{options.heartbeats_per_s_max:g}"
     database = None
     if options.db == "postgresql":
         database = f"relaunch_bench_{uuid.uuid4().hex[:12]}"
@@ -595,6 +603,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="makes the database")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--work-dir", type=Path, help="keep the controller's files and log here")
+    parser.add_argument(
+        "--heartbeats-per-s-max", type=float, help="the controller's heartbeat budget (its pace)"
+    )
+    parser.add_argument(
+        "--baseline-fixed-interval",
+        action="store_true",
+        help="first run the same load with every node told the base interval (no pace)",
+    )
     args = parser.parse_args(argv)
     options = Options(
         nodes=args.nodes,
@@ -605,11 +621,58 @@ def main(argv: list[str] | None = None) -> None:
         training=Training(steps=args.steps, step_s=args.step_s),
         pg_admin_url=args.pg_admin_url,
         work_dir=args.work_dir,
+        heartbeats_per_s_max=args.heartbeats_per_s_max,
     )
-    result = run(options)
-    print_table(result)
+    if not args.baseline_fixed_interval:
+        result = run(options)
+        print_table(result)
+        if args.json is not None:
+            args.json.write_text(json.dumps(_finite(result), indent=2) + "\n")
+        return
+    runs = {
+        "fixed interval": run(replace(options, heartbeats_per_s_max=FIXED_INTERVAL_BUDGET)),
+        "paced": run(options),
+    }
+    for result in runs.values():
+        print_table(result)
+    print_side_by_side(runs)
     if args.json is not None:
-        args.json.write_text(json.dumps(_finite(result), indent=2) + "\n")
+        args.json.write_text(json.dumps(_finite(runs), indent=2) + "\n")
+
+
+def _pair(figures: dict[str, Any], prefix: str = "") -> str:
+    return f"{figures[prefix + 'p50_ms']:.1f} / {figures[prefix + 'p99_ms']:.1f}"
+
+
+# A heartbeat budget no fleet here reaches: every node is told the base interval.
+FIXED_INTERVAL_BUDGET = 100_000.0
+
+
+def print_side_by_side(runs: dict[str, dict[str, Any]]) -> None:
+    """The figures the pace changes, one column per run."""
+    table = Table(title="heartbeat pace: the same load, back to back")
+    table.add_column("figure", justify="left")
+    for name in runs:
+        table.add_column(name, justify="right")
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("interval told (longest)", lambda r: f"{r['heartbeat']['interval_told_s_max']:.1f} s"),
+        ("heartbeats answered /s", lambda r: f"{r['heartbeat']['per_s']:.0f}"),
+        ("heartbeat p50 / p99, nodes' side (ms)",
+         lambda r: f"{r['heartbeat']['p50_ms']:.1f} / {r['heartbeat']['p99_ms']:.1f}"),
+        ("heartbeat p50 / p99, controller's (ms)", lambda r: _pair(r["heartbeat"], "server_")),
+        (f"unanswered within {AGENT_TIMEOUT_S:g} s", lambda r: f"{r['heartbeat']['timed_out']}"),
+        ("reconcile pass p50 / p99 (ms)",
+         lambda r: f"{r['reconcile']['p50_ms']:.0f} / {r['reconcile']['p99_ms']:.0f}"),
+        ("reconcile pass mean (ms)", lambda r: f"{r['reconcile']['mean_ms']:.0f}"),
+        ("jobs placed", lambda r: f"{r['jobs']['placed']}"),
+        ("runs succeeded", lambda r: f"{r['jobs']['runs_succeeded']}"),
+        ("nodes LOST at the end", lambda r: f"{r['nodes_by_state_at_end']['LOST']:.0f}"),
+        ("controller CPU (share of a core)",
+         lambda r: f"{100 * r['controller']['cpu_share_of_one_core']:.0f} %"),
+    ]  # fmt: skip
+    for label, cell in rows:
+        table.add_row(label, *(cell(r) for r in runs.values()))
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,16 @@ from bench.sim_nodes import Training
 @pytest.mark.e2e  # a real controller process, like the end-to-end tests
 def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     training = Training(steps=4, step_s=0.2, progress_every=2, rendezvous_s=0.2)
-    options = Options(nodes=4, jobs=6, seconds=8.0, training=training, work_dir=tmp_path)
+    options = Options(
+        nodes=4,
+        jobs=6,
+        seconds=8.0,
+        training=training,
+        work_dir=tmp_path,
+        heartbeats_per_s_max=2.5,  # 4 nodes: each told 1.6 s once they are counted
+    )
     result = run(options)
+    assert result["heartbeat"]["interval_told_s_max"] == 1.6
     jobs = result["jobs"]
     assert jobs["placed"] >= 2, jobs
     assert jobs["by_state_at_end"]["SUCCEEDED"] >= 1, jobs
