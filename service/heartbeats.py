@@ -35,7 +35,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ScalarSelect, bindparam, func, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from contract.protocol import Assignment, Heartbeat
 from service import auth
@@ -50,42 +50,74 @@ from service.states import AttemptState, MemberState, NodeState
 ANSWERS_KEPT = 20_000
 # How long a count of the ALIVE nodes sets the pace before it is read again.
 PACE_RECOUNT_S = 5.0
+# The longest interval a node is told, however large the fleet: what it is told
+# (a new assignment, a stop) never waits longer than this.
+HEARTBEAT_INTERVAL_MAX_S = 60.0
 
 
 def paced_interval(alive_nodes: int, base_s: float, per_s_max: float) -> float:
     """The interval to tell a node: ``base_s``, or longer so that ``alive_nodes`` nodes
     send at most ``per_s_max`` heartbeats a second together; a longer one is rounded up
-    to a tenth of a second."""
+    to a tenth of a second, and at most ``HEARTBEAT_INTERVAL_MAX_S``."""
     needed = alive_nodes / per_s_max
     if needed <= base_s:
         return base_s
-    return math.ceil(round(needed * 10, 6)) / 10
+    return min(math.ceil(round(needed * 10, 6)) / 10, max(base_s, HEARTBEAT_INTERVAL_MAX_S))
+
+
+def allowed_silence(node_timeout_s: float, base_s: float, told_s: float | None) -> float:
+    """How long a node told ``told_s`` (None: ``base_s``) may be silent before it is lost:
+    ``node_timeout_s``, plus twice what ``told_s`` exceeds ``base_s``. A node may then miss
+    one heartbeat at any pace (given ``node_timeout_s`` at least twice ``base_s``), as it
+    may miss several at the base interval."""
+    extra = 0.0 if told_s is None else max(0.0, told_s - base_s)
+    return node_timeout_s + 2 * extra
 
 
 class Pace:
     """The heartbeat interval this controller tells nodes (``paced_interval``), from a
-    count of the ALIVE nodes read at most every ``PACE_RECOUNT_S`` (one indexed count,
-    in the transaction of the heartbeat that finds it stale). Every controller sharing
-    the database counts the same nodes. Safe to share between threads."""
+    count of the ALIVE nodes (``count_alive``, a short read of its own) taken at most
+    every ``PACE_RECOUNT_S``. No lock is held while it counts: the heartbeats that come
+    meanwhile are told the last interval. Every controller sharing the database counts
+    the same nodes. Safe to share between threads."""
 
     def __init__(
-        self, settings: ControllerSettings, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: ControllerSettings,
+        count_alive: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._base_s = settings.heartbeat_interval_s
         self._per_s_max = settings.heartbeats_per_s_max
+        self._count_alive = count_alive
         self._clock = clock
         self._lock = threading.Lock()
         self._interval_s = self._base_s
-        self._counted_at: float | None = None
+        self._due_at: float | None = None  # when the next count is due; None: now
 
-    def interval(self, session: Session) -> float:
+    def interval(self) -> float:
         with self._lock:
             now = self._clock()
-            if self._counted_at is None or now - self._counted_at >= PACE_RECOUNT_S:
-                self._counted_at = now
-                alive = session.scalar(_ALIVE_NODES) or 0
-                self._interval_s = paced_interval(alive, self._base_s, self._per_s_max)
-            return self._interval_s
+            if self._due_at is not None and now < self._due_at:
+                return self._interval_s
+            self._due_at = now + PACE_RECOUNT_S  # this thread counts; the others need not
+            told = self._interval_s
+        try:
+            alive = self._count_alive()
+        except Exception:
+            with self._lock:
+                self._due_at = None  # counted by the next heartbeat
+            raise
+        told = paced_interval(alive, self._base_s, self._per_s_max)
+        with self._lock:
+            self._interval_s = told
+        return told
+
+
+def count_alive(factory: sessionmaker[Session]) -> int:
+    """The ALIVE nodes, in a short read of its own."""
+    with factory() as session:
+        return session.scalar(_ALIVE_NODES) or 0
 
 
 @dataclass(frozen=True)

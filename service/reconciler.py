@@ -31,6 +31,7 @@ from service.attempts import (
 )
 from service.db import transaction
 from service.errors import StaleState
+from service.heartbeats import allowed_silence
 from service.job_events import add_event
 from service.jobs import (
     change_job_state,
@@ -71,8 +72,8 @@ class NodeView:
     # ACTIVE memberships of attempts that have ended (their launchers are finishing):
     # they hold the node (on "cpu") or their GPUs (on "cuda") as long as they last.
     ending: tuple[Hold, ...] = ()
-    # What the heartbeat interval it was last told exceeds the base one by
-    # (``service.heartbeats.Pace``): that much more silence before it is lost.
+    # The silence it may keep beyond the node timeout, having been told a longer
+    # heartbeat interval (``service.heartbeats.allowed_silence``).
     extra_silence: timedelta = timedelta(0)
 
 
@@ -438,10 +439,11 @@ def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, dateti
 
 
 def _extra_silence(told_s: float | None, base_s: float | None) -> timedelta:
-    """What a node's told heartbeat interval exceeds the base one by (none unknown)."""
-    if told_s is None or base_s is None:
+    """The silence a node told ``told_s`` may keep beyond the node timeout
+    (``service.heartbeats.allowed_silence``); none without a base interval."""
+    if base_s is None:
         return timedelta(0)
-    return timedelta(seconds=max(0.0, told_s - base_s))
+    return timedelta(seconds=allowed_silence(0.0, base_s, told_s))
 
 
 def stalled(last_pass: datetime | None, now: datetime, node_timeout: timedelta) -> bool:

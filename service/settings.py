@@ -80,18 +80,19 @@ class ControllerSettings(BaseSettings):
     )
     heartbeats_per_s_max: float = Field(
         default=100.0,
-        gt=0,
+        ge=1,
         le=100_000,
         description="The heartbeats a second the nodes together may send: each reply tells "
-        "its node to wait max(heartbeat_interval_s, ALIVE nodes / this) before the next, "
-        "and a node's timeout grows by what its interval exceeds heartbeat_interval_s",
+        "its node to wait max(heartbeat_interval_s, ALIVE nodes / this) before the next "
+        "(at most 60 s), and a node's timeout grows by twice what its interval exceeds "
+        "heartbeat_interval_s",
     )
     node_timeout_s: float = Field(
         default=10.0,
         gt=0,
         le=3600,
         description="Silence after which a node told heartbeat_interval_s is lost; one "
-        "told a longer interval gets the difference on top",
+        "told a longer interval gets twice the difference on top",
     )
     reconcile_interval_s: float = Field(default=0.5, gt=0, le=60)
     share_gpu_nodes_across_users: bool = Field(

@@ -163,6 +163,11 @@ class NodeAgent:
         self._ledger = procs.PidLedger(settings.work_dir / "pids.json")
         self._node_id: int | None = None
         self._heartbeat_s = _DEFAULT_HEARTBEAT_S
+        # The interval registration gave (the controller's base one), and the heartbeats
+        # that failed in a row: a failed one is tried again after the base interval, then
+        # twice that, up to the paced interval (``_retry_heartbeat``).
+        self._base_heartbeat_s = _DEFAULT_HEARTBEAT_S
+        self._heartbeats_failed = 0
         self._next_heartbeat = 0.0
         self._next_report = 0.0
         self._next_register = 0.0
@@ -363,7 +368,8 @@ class NodeAgent:
             logger.warning("node=%s cannot save its node token: %s", self._settings.name, exc)
         self._node_id = reply.node_id
         self._registered_once = True
-        self._heartbeat_s = reply.heartbeat_interval_s
+        self._heartbeat_s = self._base_heartbeat_s = reply.heartbeat_interval_s
+        self._heartbeats_failed = 0
         self._register_backoff_s = 0.5
         self._next_heartbeat = now
         logger.info(
@@ -389,7 +395,9 @@ class NodeAgent:
             return
         except ControllerError as exc:
             logger.warning("node=%s heartbeat failed: %s", self._node_id, exc)
+            self._retry_heartbeat()
             return
+        self._heartbeats_failed = 0
         self._follow_pace(reply.heartbeat_interval_s)
         plan = plan_reconcile(
             reply.assignments,
@@ -412,6 +420,16 @@ class NodeAgent:
             held = self._attempts.get(assignment.attempt_id)
             if held is not None and held.assignment.member_id == assignment.member_id:
                 held.follow_membership(assignment)  # does not block
+
+    def _retry_heartbeat(self) -> None:
+        """Send the next heartbeat after the base interval, then after twice that, and so
+        on up to the paced one. A node at a long pace that waited a whole interval after
+        a failure would have been silent for two; and a reply that was lost may have told
+        it a shorter interval than it follows."""
+        self._heartbeats_failed += 1
+        retry_s = self._base_heartbeat_s * 2 ** min(self._heartbeats_failed - 1, 16)
+        if retry_s < self._heartbeat_s:
+            self._next_heartbeat = min(self._next_heartbeat, self._clock() + retry_s)
 
     def _follow_pace(self, interval_s: float | None) -> None:
         """Send the next heartbeat after the interval the reply gave: the controller

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -43,7 +44,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
-from service.heartbeats import Answers, Pace
+from service.heartbeats import Answers, Pace, count_alive
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.schemas import Problem
@@ -131,7 +132,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = controller_metrics
     app.state.heartbeat_answers = Answers()
-    app.state.heartbeat_pace = Pace(settings)
+    app.state.heartbeat_pace = Pace(settings, functools.partial(count_alive, read_factory))
     app.include_router(health.router)
     app.include_router(metrics.router)
     for router in (

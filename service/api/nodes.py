@@ -64,19 +64,21 @@ def register(
     settings: SettingsDep,
     now: NowDep,
     wake: WakeDep,
-    pace: PaceDep,
 ) -> NodeRegistered:
     """401 or 403: the enrolment credential does not admit this name; 409: the name is
     an ALIVE node's and the request does not carry that node's token."""
     with transaction(factory) as session:
         enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
-        interval_s = pace.interval(session)
-        node = nodes.register_node(session, body, now, interval_s)
+        node = nodes.register_node(session, body, now)
         node_token = auth.issue_node_token(session, node)
     # A waiting job, or a running one that may grow, gets the node in a pass that ends
     # before the reply: the agent's first heartbeat, sent at once, finds its assignment.
     wake(REGISTER_WAITS_FOR_PASS_S)
-    return NodeRegistered(node_id=node.id, heartbeat_interval_s=interval_s, node_token=node_token)
+    # The base interval: an agent that follows the pace takes it from its first heartbeat's
+    # reply (sent at once), and one that does not keeps this one, which its row says.
+    return NodeRegistered(
+        node_id=node.id, heartbeat_interval_s=settings.heartbeat_interval_s, node_token=node_token
+    )
 
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatReply)
@@ -98,8 +100,8 @@ def heartbeat(
     route's is (401, 403) and then recorded the long way (a LOST or LEFT node is ALIVE
     again). The answer's JSON is made of assignments kept as JSON."""
     token = credentials.credentials if credentials is not None else None
+    interval_s = pace.interval()  # before the transaction: it may read on its own
     with transaction(factory) as session:
-        interval_s = pace.interval(session)
         if token is not None and heartbeats.record(session, node_id, token, body, now, interval_s):
             reply = heartbeats.answer(
                 session, node_id, body, settings, keyring, answers, interval_s

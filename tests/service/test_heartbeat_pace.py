@@ -3,13 +3,15 @@ more silence before a node is lost."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from service.heartbeats import PACE_RECOUNT_S, Pace, paced_interval
+from service.heartbeats import PACE_RECOUNT_S, Pace, allowed_silence, count_alive, paced_interval
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
-from tests.service.helpers import Cluster, register
+from tests.service.helpers import ENROLMENT_TOKEN, Cluster, register
 
 
 @pytest.mark.parametrize(
@@ -22,13 +24,21 @@ from tests.service.helpers import Cluster, register
         (1000, 1.0, 100.0, 10.0),
         (30, 2.0, 10.0, 3.0),
         (3, 1.0, 1.0, 3.0),
+        (100_000, 1.0, 1.0, 60.0),  # never longer than a minute
     ],
 )
 def test_the_interval_keeps_the_fleet_within_its_heartbeat_budget(
     alive: int, base_s: float, per_s_max: float, told_s: float
 ) -> None:
     assert paced_interval(alive, base_s, per_s_max) == told_s
-    assert alive / told_s <= per_s_max or told_s == base_s
+    assert alive / told_s <= per_s_max or told_s in (base_s, 60.0)
+
+
+def test_a_node_at_any_pace_may_miss_one_heartbeat() -> None:
+    assert allowed_silence(10.0, 1.0, None) == 10.0
+    assert allowed_silence(10.0, 1.0, 1.0) == 10.0
+    for told in (1.5, 3.0, 10.0, 60.0):
+        assert allowed_silence(10.0, 1.0, told) > 2 * told
 
 
 @pytest.fixture
@@ -59,23 +69,32 @@ def test_a_node_told_a_longer_interval_is_lost_that_much_later(
     api: Cluster, reconciler: Reconciler, clock: FakeClock, settings: ControllerSettings
 ) -> None:
     ticks = Ticks()
-    api.app.state.heartbeat_pace = Pace(settings, clock=ticks)  # type: ignore[attr-defined]
+    read_factory = api.app.state.read_session_factory  # type: ignore[attr-defined]
+    pace = Pace(settings, functools.partial(count_alive, read_factory), clock=ticks)
+    api.app.state.heartbeat_pace = pace  # type: ignore[attr-defined]
     a, b = register(api, "a"), register(api, "b")
-    register(api, "c")
+    r = api.post(
+        "/api/v1/nodes/register",
+        json={"name": "c", "address": "127.0.0.1", "slots": 1, "pid": 1},
+        headers={"Authorization": f"Bearer {ENROLMENT_TOKEN}"},
+    )
+    assert r.json()["heartbeat_interval_s"] == 1.0  # registration tells the base interval
     reconciler.run_once()  # leads from now: silence counts from here at the earliest
-    assert beat(api, b) == 1.0  # counted at a's registration: no node was alive
-    ticks.now += PACE_RECOUNT_S
-    assert beat(api, a) == 3.0  # three alive at one heartbeat a second at most
+    assert beat(api, b) == 3.0  # three alive at one heartbeat a second at most
+    ticks.now += PACE_RECOUNT_S - 0.1
+    register(api, "d")
+    assert beat(api, b) == 3.0  # not counted again yet
+    ticks.now += 0.1
+    assert beat(api, a) == 4.0
 
-    clock.advance(11)  # b and c silent for 11 s, a for 11 s of the 12 s it may be
+    clock.advance(11)  # c and d silent for 11 s, as told; b may be for 10 + 2 * 2 s, a 16 s
     reconciler.run_once()
-    assert states(api) == {"a": "ALIVE", "b": "LOST", "c": "LOST"}
-    clock.advance(1.5)
+    assert states(api) == {"a": "ALIVE", "b": "ALIVE", "c": "LOST", "d": "LOST"}
+    clock.advance(4)  # b silent for 15 s of its 14, a of its 16
     reconciler.run_once()
-    assert states(api)["a"] == "LOST"
+    assert states(api) == {"a": "ALIVE", "b": "LOST", "c": "LOST", "d": "LOST"}
 
-    # a is back alone: the next count tells it the base interval, and 10 s of silence
-    assert beat(api, a) == 3.0  # not counted again yet
+    # a is alone: the next count tells it the base interval, and 10 s of silence
     ticks.now += PACE_RECOUNT_S
     assert beat(api, a) == 1.0
     clock.advance(10.5)

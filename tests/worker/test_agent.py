@@ -168,3 +168,30 @@ def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -
     clock.now += 1.05
     agent.step()
     assert client.calls.count("heartbeat 7") == 4
+
+
+def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Path) -> None:
+    """After the base interval registration gave (2 s), then twice that, up to the pace
+    (10 s): a node at a long pace is not silent for two of its intervals after one
+    failure, and a lost reply may have told it a shorter interval than it follows."""
+    agent, client, clock = _agent(tmp_path)
+
+    def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
+        client.calls.append(f"heartbeat {node_id}")
+        if client.heartbeat_failures:
+            raise client.heartbeat_failures.pop(0)
+        return HeartbeatReply(heartbeat_interval_s=10.0)
+
+    client.heartbeat = paced  # type: ignore[method-assign]
+    agent.step()
+    agent.step()  # paced at 10 s from here
+    client.heartbeat_failures = [ControllerUnavailableError("down")] * 3
+    sent_at = []
+    for tick in range(1, 400):
+        clock.now = 100.0 + tick / 10 + 0.01
+        before = client.calls.count("heartbeat 7")
+        agent.step()
+        if client.calls.count("heartbeat 7") > before:
+            sent_at.append(round(clock.now - 100.0, 1))
+    # 10: fails, 12: fails, 16: fails, 24: answered (8 s later, not 10), 34: at the pace
+    assert sent_at[:5] == [10.0, 12.0, 16.0, 24.0, 34.0]
