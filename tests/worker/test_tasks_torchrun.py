@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,10 +37,62 @@ def torchrun(nproc: int) -> list[str]:
     ]
 
 
+# A process that torch aborts after its script has ended: a C++ thread still joinable
+# when the process exits ("terminate called ..."), then SIGABRT, with no Python frame
+# left on the stack (faulthandler's dump). Raw torchrun, plain script, nothing of
+# relaunch: seen in CI and in 2 of 220 runs of examples/torchrun_script.py on a loaded
+# 2-core machine. The script's work is done by then; each test checks what it wrote.
+TEARDOWN_ABORT = re.compile(
+    r"terminate called without an active exception\s+Fatal Python error: Aborted\s+"
+    r"Thread 0x[0-9a-f]+ \(most recent call first\):\s+<no Python frame>\s+"
+    r"(?:Extension modules|Current thread)"
+)
+
+
 def run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**env, "PYTHONFAULTHANDLER": "1"}  # a fatal signal dumps the Python stack
     result = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    output = result.stdout[-3000:] + result.stderr[-5000:]
+    if result.returncode != 0 and aborted_after_the_script(result.stdout + result.stderr):
+        warnings.warn(f"torch aborted a process after its script ended:\n{output}", stacklevel=2)
+        return result
+    assert result.returncode == 0, output
     return result
+
+
+def aborted_after_the_script(output: str) -> bool:
+    """Whether the only failure in torchrun's ``output`` is ``TEARDOWN_ABORT``: one rank
+    ended by SIGABRT that way, and any other ended by torchrun's SIGTERM after it."""
+    aborted = len(TEARDOWN_ABORT.findall(output))
+    # torchrun names each failed process twice: "failed (exitcode: -6) local_rank: 1 (pid:
+    # 7)" and, in its summary, "exitcode  : -6 (pid: 7)".
+    table = re.findall(r"exitcode\s*: (-?\d+) \(pid: (\d+)\)", output)
+    logged = re.findall(r"\(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)", output)
+    codes = {pid: code for code, pid in table + logged}
+    before_the_dump = output.split("Fatal Python error")[0]
+    return (
+        aborted == 1
+        and list(codes.values()).count("-6") == 1
+        and all(code in ("-6", "-15") for code in codes.values())
+        and "Traceback (most recent call last)" not in before_the_dump
+    )
+
+
+def test_a_teardown_abort_is_told_from_a_failure() -> None:
+    abort = (
+        "done rank=1\nterminate called without an active exception\nFatal Python error: "
+        "Aborted\n\nThread 0x00007fa277dbfb80 (most recent call first):\n  <no Python frame>"
+        "\n\nExtension modules: torch._C (total: 1)\n"
+    )
+    exits = "  exitcode  : -15 (pid: 1)\n  exitcode  : -6 (pid: 2)\n"
+    exits += "failed (exitcode: -6) local_rank: 1 (pid: 2) of binary: python\n"
+    assert aborted_after_the_script(abort + exits)
+    in_python = abort.replace("<no Python frame>", 'File "script.py", line 3 in main')
+    assert not aborted_after_the_script(in_python + exits)
+    assert not aborted_after_the_script(abort + "  exitcode  : 1 (pid: 3)\n" + exits)
+    raised = "Traceback (most recent call last):\n  ValueError\n"
+    assert not aborted_after_the_script(raised + abort + exits)
+    assert not aborted_after_the_script("exitcode  : -6 (pid: 2)\n")  # SIGABRT, no dump
 
 
 def load_model(path: Path) -> dict[str, torch.Tensor]:
