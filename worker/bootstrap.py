@@ -31,6 +31,11 @@ bootstrap adds these things around it:
   waited for (one may be stuck in the broken collective), and a file the script
   left open and unflushed loses what it buffered. NCCL's async error handling
   ends such a process as abruptly; the peers' restart waits for this one.
+- a mark that the program returned (or exited with status 0): ``PROGRAM_RETURNED``
+  beside the worker's error file, written before the interpreter's teardown. A
+  process that a signal ends after it (torch 2.13's gloo can abort one at exit,
+  "terminate called without an active exception") has done its work: the launcher
+  takes it as finished (``worker.launch.returned_before_signals``).
 """
 
 from __future__ import annotations
@@ -44,10 +49,14 @@ import runpy
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from worker.runtime.devices import check_visible_devices
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# Written beside the worker's error file once its program has returned (``main``).
+PROGRAM_RETURNED = "program_returned"
 # A collective that broke because a peer process or node went away (gloo on CPU, NCCL on
 # GPU). The failed peer, if it still lives, reports its own failure; this one is a
 # consequence, which the controller counts as a membership change, not a restart.
@@ -159,6 +168,23 @@ def _exit_now(exc: BaseException) -> None:
     os._exit(1)
 
 
+def returned_mark(error_file: str) -> Path:
+    """Where a worker whose error file is ``error_file`` marks that its program returned."""
+    return Path(error_file).with_name(PROGRAM_RETURNED)
+
+
+def mark_returned() -> None:
+    """Mark that the program returned, beside the error file torch gave this worker
+    (nowhere without one). Best effort: a mark not written leaves the worker's exit
+    status as it is."""
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if not error_file:
+        return
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    with contextlib.suppress(OSError):
+        os.close(os.open(returned_mark(error_file), flags, 0o644))
+
+
 def main() -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -169,10 +195,16 @@ def main() -> None:
     step_counter.install()
     try:
         record(run_worker)(sys.argv[1:])
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            mark_returned()
+        raise
     except Exception as exc:
         if not peer_lost(exc):
             raise
         _exit_now(exc)
+    else:
+        mark_returned()
 
 
 if __name__ == "__main__":

@@ -58,11 +58,11 @@ from contract.events import (
 from contract.labels import label_from_environ
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import procs, warm
-from worker.bootstrap import STACK_DUMP_SIGNAL, error_says_peer_lost
+from worker.bootstrap import STACK_DUMP_SIGNAL, error_says_peer_lost, returned_mark
 from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
-from worker.sandbox import WorkerSandbox, enter
+from worker.sandbox import WORKER_ERROR_DIR, WorkerSandbox, enter
 from worker.warm import Zygote, discard_spare
 
 logger = logging.getLogger(__name__)
@@ -358,6 +358,44 @@ def _peers_finished(agent: Any) -> bool:
         return False
 
 
+def returned_before_signals(agent: Any, failures: dict[int, Any]) -> bool:
+    """Whether every failed worker was ended by a signal after its program had returned
+    (``worker.bootstrap.mark_returned``): a teardown that aborted (torch's gloo can, at
+    exit), or torch's SIGTERM to the others once it saw that. Their work is done; the
+    group is finished, not failed. A worker that exited with a status of its own, or
+    had not returned, fails the group as before."""
+    error_files = getattr(getattr(agent, "_pcontext", None), "error_files", None)
+    if not failures or not error_files:
+        return False
+    for failure in failures.values():
+        torch_path = error_files.get(failure.local_rank)
+        if failure.exitcode >= 0 or not torch_path:
+            return False
+        # The worker's own error file: torch's path, or under isolation 'user' the
+        # job-owned directory beside it (``worker.sandbox``).
+        own = Path(torch_path).parent / WORKER_ERROR_DIR / Path(torch_path).name
+        theirs = (torch_path, str(own))
+        if not any(os.path.lexists(returned_mark(path)) for path in theirs):
+            return False
+    for rank, failure in sorted(failures.items()):
+        logger.warning(
+            "%s worker rank %s (pid %s) ended by %s after its program returned: counted as "
+            "finished (a teardown that aborted, or torch ending it after another's)",
+            _CTX,
+            rank,
+            failure.pid,
+            _signal_name(-failure.exitcode),
+        )
+    return True
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 @dataclass
 class WarmEvents:
     """Events of the warm zygote and of cold starts, for ``sandbox.enter``."""
@@ -474,6 +512,9 @@ def install_event_hooks(supervision: Supervision) -> None:
         if result.state == WorkerState.FAILED and supervision.finished_after_peers(result.failures):
             # Every worker a return value, as torch's own success has: its run() records
             # one event per worker and refuses a worker it cannot place.
+            values = {worker.global_rank: None for worker in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+        if result.state == WorkerState.FAILED and returned_before_signals(self, result.failures):
             values = {worker.global_rank: None for worker in worker_group.workers}
             return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
         if result.state == WorkerState.FAILED:

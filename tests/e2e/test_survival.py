@@ -384,6 +384,41 @@ def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     wait_no_processes(cluster, job_id)
 
 
+def test_a_worker_that_aborts_after_its_script_returned_has_finished(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
+) -> None:
+    """Rank 1's script returns, then its process aborts in its teardown, as torch's gloo
+    can at exit: the job has done its work and succeeds, with no restart, whichever user
+    its workers run as (the mark lies in the job's own directory under isolation)."""
+    start_nodes(cluster, nodes, "abort-a", "abort-b")
+    script = _script(
+        tmp_path,
+        "aborts_at_exit.py",
+        "import atexit, os, runpy, sys\n"
+        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    atexit.register(os.abort)\n",
+    )
+    spec = {
+        "name": "aborts-at-exit",
+        "script": {"path": script},
+        "nnodes": "2:2",
+        "max_restarts": 3,
+    }
+    job_id = client.submit(spec)["id"]
+
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restart_count"] == 0
+    assert job["last_step"] == 40
+    events = client.events(job_id)
+    assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
+    [attempt] = job["attempts"]
+    assert [(m["state"], m["exit_code"]) for m in attempt["members"]] == [("FINISHED", 0)] * 2
+    wait_no_processes(cluster, job_id)
+
+
 def test_fatal_errors_fail_at_once_and_crashes_spend_the_budget(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT
@@ -222,3 +223,38 @@ def test_the_launcher_ends_without_waiting_for_threads_left_running(tmp_path: Pa
         assert done.stdout == "written before the end"
         assert said in done.stderr + done.stdout
         assert "exiting without waiting for threads: never-ends" in done.stderr
+
+
+_ABORTS_IN_TEARDOWN = """\
+import atexit, os, time
+from pathlib import Path
+if os.environ["RANK"] == "1":
+    atexit.register(os.abort)  # as torch's gloo can abort a process at exit
+elif "{where}" == "teardown":
+    atexit.register(time.sleep, 60)  # still ending when torch ends it after rank 1
+else:
+    time.sleep(60)  # still in the program
+"""
+
+
+@pytest.mark.parametrize("where", ["teardown", "program"])
+def test_a_worker_aborted_after_its_program_returned_has_finished(
+    tmp_path: Path, where: str
+) -> None:
+    """Rank 1's program returns, then its teardown aborts (SIGABRT); torch then ends rank
+    0 with SIGTERM. If rank 0 too had returned, the group has finished: no failure, no
+    restart. If rank 0 was still in its program, it is a failure as before."""
+    code, events = _launch(
+        tmp_path, _ABORTS_IN_TEARDOWN.format(where=where), max_restarts=1, bootstrap=True
+    )
+    if where == "teardown":
+        assert code == 0
+        assert not _of("worker_failed", events)
+        assert len(_of("rendezvous", events)) == 1, "restarted"
+        (exit_event,) = _of("launcher_exit", events)
+        assert exit_event["outcome"] == "succeeded"
+    else:
+        assert code != 0
+        failed = _of("worker_failed", events)
+        assert {f["global_rank"] for f in failed} >= {1}
+        assert len(_of("rendezvous", events)) == 2, "the failure was not restarted"

@@ -425,3 +425,25 @@ def test_the_bootstrap_ends_quickly_only_for_torchs_collective_errors(
     from worker.bootstrap import peer_lost
 
     assert peer_lost(exc) is lost
+
+
+@pytest.mark.parametrize(
+    ("ending", "code", "marked"),
+    [
+        ("pass", 0, True),
+        ("sys.exit(0)", 0, True),
+        ("sys.exit()", 0, True),
+        ("atexit.register(os.abort)", -6, True),  # the teardown aborts after the return
+        ("sys.exit(3)", 3, False),
+        ("raise ValueError('bad')", 1, False),
+        ("os.abort()", -6, False),  # in the program itself
+    ],
+)
+def test_the_bootstrap_marks_that_the_program_returned_before_the_teardown(
+    tmp_path: Path, ending: str, code: int, marked: bool
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(f"import atexit, os, sys\n{ending}\n")
+    run = _bootstrap(tmp_path, str(script))
+    assert run.returncode == code, run.stderr
+    assert (tmp_path / "program_returned").exists() is marked
