@@ -31,11 +31,13 @@ bootstrap adds these things around it:
   waited for (one may be stuck in the broken collective), and a file the script
   left open and unflushed loses what it buffered. NCCL's async error handling
   ends such a process as abruptly; the peers' restart waits for this one.
-- a mark that the program returned (or exited with status 0): ``PROGRAM_RETURNED``
-  beside the worker's error file, written before the interpreter's teardown. A
-  process that a signal ends after it (torch 2.13's gloo can abort one at exit,
-  "terminate called without an active exception") has done its work: the launcher
-  takes it as finished (``worker.launch.returned_before_signals``).
+- a mark that the program returned (or exited with status 0), written by this
+  process (not a child it forked) after the interpreter has joined the program's
+  threads and run its ``atexit`` handlers: ``program_returned.PID`` beside the
+  worker's error file. A process that a signal ends after that (torch 2.13's gloo
+  can abort one in its teardown, "terminate called without an active exception")
+  has done its work: the launcher takes it as finished
+  (``worker.launch.returned_before_signals``).
 """
 
 from __future__ import annotations
@@ -168,21 +170,26 @@ def _exit_now(exc: BaseException) -> None:
     os._exit(1)
 
 
-def returned_mark(error_file: str) -> Path:
-    """Where a worker whose error file is ``error_file`` marks that its program returned."""
-    return Path(error_file).with_name(PROGRAM_RETURNED)
+def returned_mark(error_file: str, pid: int) -> Path:
+    """Where worker ``pid``, whose error file is ``error_file``, marks that its program
+    returned."""
+    return Path(error_file).with_name(f"{PROGRAM_RETURNED}.{pid}")
 
 
-def mark_returned() -> None:
-    """Mark that the program returned, beside the error file torch gave this worker
-    (nowhere without one). Best effort: a mark not written leaves the worker's exit
-    status as it is."""
+_returned = False  # set once the program has returned (or exited with status 0)
+
+
+def _mark_if_returned(pid: int) -> None:
+    """``atexit``, registered before the program runs, so run after the program's own
+    handlers (and after the interpreter joined its threads): mark that the program
+    returned, if it did, in the process that started it. Best effort: a mark not
+    written leaves the worker's exit status as it is."""
     error_file = os.environ.get(ERROR_FILE_ENV)
-    if not error_file:
+    if not _returned or os.getpid() != pid or not error_file or error_file == os.devnull:
         return
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     with contextlib.suppress(OSError):
-        os.close(os.open(returned_mark(error_file), flags, 0o644))
+        os.close(os.open(returned_mark(error_file, pid), flags, 0o644))
 
 
 def main() -> None:
@@ -191,20 +198,21 @@ def main() -> None:
 
     from worker.runtime import startup, step_counter
 
+    global _returned
     startup.mark(startup.Moment.IMPORTED)
     step_counter.install()
+    atexit.register(_mark_if_returned, os.getpid())
     try:
         record(run_worker)(sys.argv[1:])
     except SystemExit as exc:
-        if exc.code is None or exc.code == 0:
-            mark_returned()
+        _returned = exc.code is None or exc.code == 0
         raise
     except Exception as exc:
         if not peer_lost(exc):
             raise
         _exit_now(exc)
     else:
-        mark_returned()
+        _returned = True
 
 
 if __name__ == "__main__":

@@ -360,27 +360,28 @@ def _peers_finished(agent: Any) -> bool:
 
 def returned_before_signals(agent: Any, failures: dict[int, Any]) -> bool:
     """Whether every failed worker was ended by a signal after its program had returned
-    (``worker.bootstrap.mark_returned``): a teardown that aborted (torch's gloo can, at
-    exit), or torch's SIGTERM to the others once it saw that. Their work is done; the
-    group is finished, not failed. A worker that exited with a status of its own, or
-    had not returned, fails the group as before."""
+    and its interpreter had joined the program's threads and run its ``atexit`` handlers
+    (``worker.bootstrap``'s mark, by the worker's own pid): a teardown that aborted
+    (torch's gloo can, at exit), or torch ending the others once it saw that. Their work
+    is done; the group is finished, not failed. A worker that exited with a status of
+    its own, or had not got that far, fails the group as before."""
     error_files = getattr(getattr(agent, "_pcontext", None), "error_files", None)
     if not failures or not error_files:
         return False
     for failure in failures.values():
         torch_path = error_files.get(failure.local_rank)
-        if failure.exitcode >= 0 or not torch_path:
+        if failure.exitcode >= 0 or not torch_path or torch_path == os.devnull:
             return False
         # The worker's own error file: torch's path, or under isolation 'user' the
         # job-owned directory beside it (``worker.sandbox``).
         own = Path(torch_path).parent / WORKER_ERROR_DIR / Path(torch_path).name
-        theirs = (torch_path, str(own))
-        if not any(os.path.lexists(returned_mark(path)) for path in theirs):
+        marks = (returned_mark(path, failure.pid) for path in (torch_path, str(own)))
+        if not any(os.path.lexists(mark) for mark in marks):
             return False
     for rank, failure in sorted(failures.items()):
         logger.warning(
-            "%s worker rank %s (pid %s) ended by %s after its program returned: counted as "
-            "finished (a teardown that aborted, or torch ending it after another's)",
+            "%s worker rank %s (pid %s) ended by %s after its program returned and its "
+            "interpreter ran its exit handlers: counted as finished",
             _CTX,
             rank,
             failure.pid,

@@ -394,11 +394,14 @@ def test_a_worker_that_aborts_after_its_script_returned_has_finished(
     script = _script(
         tmp_path,
         "aborts_at_exit.py",
-        "import atexit, os, runpy, sys\n"
+        "import os, runpy, sys\n"
         f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
         f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+        "class AbortsWhenFreed:\n"  # freed in the teardown, after the exit handlers
+        "    def __del__(self, abort=os.abort):\n"
+        "        abort()\n"
         "if os.environ['RANK'] == '1':\n"
-        "    atexit.register(os.abort)\n",
+        "    sys.keep_until_teardown = AbortsWhenFreed()\n",
     )
     spec = {
         "name": "aborts-at-exit",

@@ -226,13 +226,32 @@ def test_the_launcher_ends_without_waiting_for_threads_left_running(tmp_path: Pa
 
 
 _ABORTS_IN_TEARDOWN = """\
-import atexit, os, time
-from pathlib import Path
-if os.environ["RANK"] == "1":
-    atexit.register(os.abort)  # as torch's gloo can abort a process at exit
-elif "{where}" == "teardown":
-    atexit.register(time.sleep, 60)  # still ending when torch ends it after rank 1
-else:
+import os, sys, time
+FLAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0-ending")
+
+class Ending:
+    # Freed in the interpreter's teardown, after the exit handlers: rank 1 aborts there
+    # (as torch's gloo can), once rank 0 is in its own teardown, still alive for torch
+    # to end with SIGTERM. Only what the defaults bind is used: modules are being cleared.
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __del__(self, flag=FLAG, abort=os.abort, sleep=time.sleep, stat=os.stat,
+                os_open=os.open, close=os.close, create=os.O_CREAT | os.O_WRONLY):
+        if self.rank == "0":
+            close(os_open(flag, create))
+            sleep(60)
+        for _ in range(600):
+            try:
+                stat(flag)
+                break
+            except OSError:
+                sleep(0.05)
+        abort()
+
+sys.keep_until_teardown = Ending(os.environ["RANK"])
+if os.environ["RANK"] == "0" and "{where}" == "program":
+    open(FLAG, "w").close()
     time.sleep(60)  # still in the program
 """
 

@@ -427,23 +427,93 @@ def test_the_bootstrap_ends_quickly_only_for_torchs_collective_errors(
     assert peer_lost(exc) is lost
 
 
+# An object freed in the interpreter's teardown, after the atexit handlers, that aborts
+# the process then: as torch's gloo can at exit.
+ABORTS_IN_TEARDOWN = (
+    "class AbortsWhenFreed:\n"
+    "    def __del__(self, abort=os.abort):\n"
+    "        abort()\n"
+    "sys.keep_until_teardown = AbortsWhenFreed()\n"
+)
+_THREAD_ABORTS_LATER = (
+    "import threading, time\n"
+    "threading.Thread(target=lambda: (time.sleep(0.3), os.abort())).start()\n"
+)
+_CHILD_EXITS_0 = "pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\nos.abort()\n"
+
+
 @pytest.mark.parametrize(
     ("ending", "code", "marked"),
     [
         ("pass", 0, True),
         ("sys.exit(0)", 0, True),
         ("sys.exit()", 0, True),
-        ("atexit.register(os.abort)", -6, True),  # the teardown aborts after the return
+        (ABORTS_IN_TEARDOWN, -6, True),
+        ("atexit.register(os.abort)", -6, False),  # the program's own exit handler
+        (_THREAD_ABORTS_LATER, -6, False),  # a thread of the program, still at work
+        (_CHILD_EXITS_0, -6, False),  # a child it forked returned; it did not
         ("sys.exit(3)", 3, False),
         ("raise ValueError('bad')", 1, False),
-        ("os.abort()", -6, False),  # in the program itself
+        ("os.abort()", -6, False),
     ],
-)
+    ids=[
+        "return", "exit-0", "exit", "teardown-abort", "atexit-abort", "thread-abort",
+        "forked-child", "exit-3", "raise", "abort",
+    ],
+)  # fmt: skip
 def test_the_bootstrap_marks_that_the_program_returned_before_the_teardown(
     tmp_path: Path, ending: str, code: int, marked: bool
 ) -> None:
+    """Only the worker's own process, only once its threads and exit handlers are done."""
     script = tmp_path / "train.py"
     script.write_text(f"import atexit, os, sys\n{ending}\n")
-    run = _bootstrap(tmp_path, str(script))
-    assert run.returncode == code, run.stderr
-    assert (tmp_path / "program_returned").exists() is marked
+    env = {
+        **os.environ,
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"),
+        "PYTHONPATH": str(REPO),
+    }
+    with subprocess.Popen(
+        [sys.executable, "-m", "worker.bootstrap", str(script)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as worker:
+        _, stderr = worker.communicate(timeout=120)
+    assert worker.returncode == code, stderr
+    marks = sorted(p.name for p in tmp_path.glob("program_returned*"))
+    assert marks == ([f"program_returned.{worker.pid}"] if marked else []), marks
+
+
+@dataclass
+class _Failure:
+    local_rank: int
+    pid: int
+    exitcode: int
+
+
+def test_a_signal_after_the_mark_is_a_finish_whichever_directory_holds_it(
+    tmp_path: Path,
+) -> None:
+    """The mark lies beside torch's error file, or under isolation 'user' in the job's own
+    directory beside it; it must name the failed process."""
+    from types import SimpleNamespace
+
+    from worker.launch import returned_before_signals
+
+    ranks = [tmp_path / "attempt_0" / str(r) for r in (0, 1)]
+    for rank in ranks:
+        (rank / "worker").mkdir(parents=True)
+    agent = SimpleNamespace(
+        _pcontext=SimpleNamespace(error_files={r: str(ranks[r] / "error.json") for r in (0, 1)})
+    )
+    aborted, ended = _Failure(1, 701, -6), _Failure(0, 700, -15)
+    failures = {1: aborted, 0: ended}
+    (ranks[1] / "program_returned.701").touch()  # isolation 'none': beside torch's file
+    assert not returned_before_signals(agent, failures)  # rank 0 had not returned
+    (ranks[0] / "worker" / "program_returned.700").touch()  # isolation 'user'
+    assert returned_before_signals(agent, failures)
+    assert not returned_before_signals(agent, {1: _Failure(1, 701, 3)})  # a status of its own
+    assert not returned_before_signals(agent, {1: _Failure(1, 702, -6)})  # another process
+    assert not returned_before_signals(SimpleNamespace(), failures)  # no process context
