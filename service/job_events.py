@@ -77,6 +77,29 @@ def last_membership_change(session: Session, attempt_id: int) -> datetime | None
     )
 
 
+def since_last_restart(session: Session, attempt_id: int) -> list[JobEvent] | None:
+    """The attempt's ``rendezvous`` and ``worker_failed`` events that arrived after its
+    last ``restarting`` one, in arrival order; None if it never restarted."""
+    last = session.scalar(
+        select(func.max(JobEvent.id)).where(
+            JobEvent.attempt_id == attempt_id, JobEvent.kind == "restarting"
+        )
+    )
+    if last is None:
+        return None
+    return list(
+        session.scalars(
+            select(JobEvent)
+            .where(
+                JobEvent.attempt_id == attempt_id,
+                JobEvent.id > last,
+                JobEvent.kind.in_(("rendezvous", "worker_failed")),
+            )
+            .order_by(JobEvent.id)
+        )
+    )
+
+
 def last_round_event(session: Session, attempt_id: int, node_id: int) -> JobEvent | None:
     """The attempt's last ``rendezvous`` or ``first_step`` event from ``node_id``: whether
     the node's current rendezvous round already has its first step on the timeline."""

@@ -36,7 +36,12 @@ from contract.events import (
 from contract.protocol import AttemptExit, AttemptReport, StopReason
 from service.attempts import active_members, drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
-from service.job_events import add_event, last_membership_change, last_round_event
+from service.job_events import (
+    add_event,
+    last_membership_change,
+    last_round_event,
+    since_last_restart,
+)
 from service.jobs import change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
 from service.nodes import get_node
@@ -236,6 +241,8 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
         return
     if job.state is not JobState.RUNNING or cause in UNCHARGED_CAUSES:
         return
+    if _before_the_latest_round(at):
+        return
     delay = _restart_or_fail(
         at.session,
         job,
@@ -255,6 +262,25 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
     change_job_state(
         at.session, job, JobState.RESTARTING, at.now, message=f"worker failed ({cause})"
     )
+
+
+def _before_the_latest_round(at: _Applied) -> bool:
+    """Whether this failure belongs to the incident of the attempt's last counted restart:
+    it happened (by its node's clock) before the round that formed after that restart,
+    and it is the first charged failure to arrive since. Two nodes that each found a
+    worker of the same round hung (the frozen rank, and its peer waiting for it in a
+    collective) then cost one restart, even when the second report comes after the
+    first node's restart has formed a new round. One late failure at most per restart:
+    a node whose clock runs behind, crashing at each start, still spends the budget (at
+    worst at half the rate)."""
+    since = since_last_restart(at.session, at.attempt.id)
+    if not since:
+        return False
+    rounds = [e.time for e in since if e.kind == "rendezvous"]
+    failed = [e.data or {} for e in since if e.kind == "worker_failed"]
+    charged = [d for d in failed if d.get("cause") not in UNCHARGED_CAUSES]
+    # ``charged`` holds this failure's own event, added first by ``_worker_failed``.
+    return bool(rounds) and at.time < max(rounds) and len(charged) <= 1
 
 
 def _hang_timeout_text(data: HangDetected) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -207,3 +208,41 @@ def test_worker_and_launcher_failures_spend_one_budget_and_fail_the_job_alike(
     assert d["attempts"][0]["state"] == "FAILED"
     causes = [e["data"]["cause"] for e in _events(api, job_id, "restarting")]
     assert causes == ["crash"]
+
+
+def test_a_failure_of_a_round_that_a_restart_already_ended_is_not_counted_again(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    """Two nodes each find a worker of the same round hung (a frozen rank, and its peer
+    waiting for it); the second node's report comes after the first node's restart has
+    formed a new round. One incident, one restart (seen in CI: restart_count 2)."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "2:2", max_restarts=3)
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    start = datetime.now(UTC)
+    at = lambda s: (start + timedelta(seconds=s)).isoformat()  # noqa: E731
+
+    def sent(node: int, seconds: float, kind: str, **data: Any) -> None:
+        body = {"time": at(seconds), "kind": kind, "data": data}
+        assert report(api, node, attempt_id, events=[body]).status_code == 200
+
+    first_round = {"world_size": 2, "group_rank": 0, "group_world_size": 2}
+    sent(a, 0.0, "rendezvous", **first_round, restart_count=0)
+    hang = {"local_rank": 0, "exitcode": -9, "message": "killed", "cause": "hang"}
+    sent(a, 10.0, "worker_failed", global_rank=0, **hang)
+    assert (job(api, job_id)["state"], job(api, job_id)["restart_count"]) == ("RESTARTING", 1)
+    sent(a, 11.0, "rendezvous", **first_round, restart_count=1)
+    assert job(api, job_id)["state"] == "RUNNING"
+    sent(b, 10.1, "worker_failed", global_rank=1, **hang)  # failed before that round formed
+    d = job(api, job_id)
+    assert (d["state"], d["restart_count"]) == ("RUNNING", 1)
+    assert len(_events(api, job_id, "worker_failed")) == 2  # on the timeline all the same
+    sent(b, 12.0, "worker_failed", global_rank=1, **hang)  # a failure of the new round
+    assert (job(api, job_id)["state"], job(api, job_id)["restart_count"]) == ("RESTARTING", 2)
+    # One late failure at most per restart: a second one, however stamped, is counted.
+    sent(a, 13.0, "rendezvous", **first_round, restart_count=2)
+    sent(a, 12.1, "worker_failed", global_rank=0, **hang)
+    assert (job(api, job_id)["state"], job(api, job_id)["restart_count"]) == ("RUNNING", 2)
+    sent(b, 12.2, "worker_failed", global_rank=1, **hang)
+    assert (job(api, job_id)["state"], job(api, job_id)["restart_count"]) == ("RESTARTING", 3)
