@@ -77,27 +77,13 @@ def last_membership_change(session: Session, attempt_id: int) -> datetime | None
     )
 
 
-def since_last_restart(session: Session, attempt_id: int) -> list[JobEvent] | None:
-    """The attempt's ``rendezvous`` and ``worker_failed`` events that arrived after its
-    last ``restarting`` one, in arrival order; None if it never restarted."""
-    last = session.scalar(
-        select(func.max(JobEvent.id)).where(
-            JobEvent.attempt_id == attempt_id, JobEvent.kind == "restarting"
-        )
-    )
-    if last is None:
-        return None
-    return list(
-        session.scalars(
-            select(JobEvent)
-            .where(
-                JobEvent.attempt_id == attempt_id,
-                JobEvent.id > last,
-                JobEvent.kind.in_(("rendezvous", "worker_failed")),
-            )
-            .order_by(JobEvent.id)
-        )
-    )
+def last_event_id(session: Session, attempt_id: int, kind: str | None = None) -> int | None:
+    """The id of the attempt's newest timeline event (of ``kind``, if given); ids follow
+    the order in which the controller recorded them. None if there is none."""
+    stmt = select(func.max(JobEvent.id)).where(JobEvent.attempt_id == attempt_id)
+    if kind is not None:
+        stmt = stmt.where(JobEvent.kind == kind)
+    return session.scalar(stmt)
 
 
 def last_round_event(session: Session, attempt_id: int, node_id: int) -> JobEvent | None:

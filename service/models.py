@@ -199,6 +199,11 @@ class AttemptMember(Base):
     joined_at: Mapped[datetime]
     left_at: Mapped[datetime | None]
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    # The newest timeline event id of the attempt when this node last reported a
+    # completed rendezvous round (any group rank): a charged failure it reports while it
+    # has reported no round since the attempt's last ``restarting`` event is of the round
+    # that restart ended (``service.reports``). NULL: no round reported yet.
+    round_reported_after: Mapped[int | None] = mapped_column(BigInteger)
     # sha256 of the secret the node's workers show to the controller (the snapshot fence);
     # a new one is issued whenever the node is sent the assignment before it runs it.
     worker_token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)

@@ -38,9 +38,9 @@ from service.attempts import active_members, drop_member, end_attempt, end_membe
 from service.errors import Fenced
 from service.job_events import (
     add_event,
+    last_event_id,
     last_membership_change,
     last_round_event,
-    since_last_restart,
 )
 from service.jobs import change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
@@ -72,7 +72,7 @@ def handle_report(session: Session, node_id: int, report: AttemptReport, now: da
     changed = last_membership_change(session, attempt.id) if report.events else None
     round_ = _Round()
     for event in report.events:
-        applied = _Applied(session, job, attempt, node, event.time, now, changed, round_)
+        applied = _Applied(session, job, attempt, node, member, event.time, now, changed, round_)
         _apply_event(event.data, applied)
     if report.exit is not None:
         _apply_exit(session, job, member, report.exit, now)
@@ -133,6 +133,7 @@ class _Applied:
     job: Job
     attempt: Attempt
     node: Node
+    member: AttemptMember  # the node's membership of the attempt
     time: datetime  # when the node saw it
     now: datetime  # when the controller applies it
     members_changed: datetime | None = None  # the attempt's last membership change
@@ -190,6 +191,7 @@ def _rendezvous(data: RendezvousComplete, at: _Applied) -> None:
     so the cause comes before the smaller rendezvous it explains; the node's own
     ``node_left`` follows when the controller marks it.
     """
+    at.member.round_reported_after = last_event_id(at.session, at.attempt.id) or 0
     world = data.world_size or None
     before = at.attempt.world_size
     at.attempt.world_size = at.job.world_size = world
@@ -241,7 +243,7 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
         return
     if job.state is not JobState.RUNNING or cause in UNCHARGED_CAUSES:
         return
-    if _before_the_latest_round(at):
+    if _of_an_ended_round(at):
         return
     delay = _restart_or_fail(
         at.session,
@@ -264,23 +266,21 @@ def _worker_failed(data: WorkerFailed, at: _Applied) -> None:
     )
 
 
-def _before_the_latest_round(at: _Applied) -> bool:
-    """Whether this failure belongs to the incident of the attempt's last counted restart:
-    it happened (by its node's clock) before the round that formed after that restart,
-    and it is the first charged failure to arrive since. Two nodes that each found a
-    worker of the same round hung (the frozen rank, and its peer waiting for it in a
-    collective) then cost one restart, even when the second report comes after the
-    first node's restart has formed a new round. One late failure at most per restart:
-    a node whose clock runs behind, crashing at each start, still spends the budget (at
-    worst at half the rate)."""
-    since = since_last_restart(at.session, at.attempt.id)
-    if not since:
+def _of_an_ended_round(at: _Applied) -> bool:
+    """Whether this failure is of a round that the attempt's last counted restart already
+    ended: its node has reported no completed rendezvous round since that restart.
+
+    A node reports its events in order, and a worker of a new round starts only after
+    the node's rendezvous for that round; so a failure that comes before the node's next
+    round is of the round the restart ended, whatever the clocks say. Two nodes that
+    each found a worker of the same round hung (the frozen rank, and its peer waiting
+    for it in a collective) cost one restart, even when the second node's reports come
+    after the first node's restart has formed a new round and the job runs again."""
+    last_restart = last_event_id(at.session, at.attempt.id, "restarting")
+    if last_restart is None:
         return False
-    rounds = [e.time for e in since if e.kind == "rendezvous"]
-    failed = [e.data or {} for e in since if e.kind == "worker_failed"]
-    charged = [d for d in failed if d.get("cause") not in UNCHARGED_CAUSES]
-    # ``charged`` holds this failure's own event, added first by ``_worker_failed``.
-    return bool(rounds) and at.time < max(rounds) and len(charged) <= 1
+    seen = at.member.round_reported_after
+    return seen is None or seen < last_restart
 
 
 def _hang_timeout_text(data: HangDetected) -> str:
