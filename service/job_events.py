@@ -77,10 +77,14 @@ def last_membership_change(session: Session, attempt_id: int) -> datetime | None
     )
 
 
-def last_event_id(session: Session, attempt_id: int, kind: str | None = None) -> int | None:
+def last_event_id(
+    session: Session, job_id: int, attempt_id: int, kind: str | None = None
+) -> int | None:
     """The id of the attempt's newest timeline event (of ``kind``, if given); ids follow
     the order in which the controller recorded them. None if there is none."""
-    stmt = select(func.max(JobEvent.id)).where(JobEvent.attempt_id == attempt_id)
+    stmt = select(func.max(JobEvent.id)).where(
+        JobEvent.job_id == job_id, JobEvent.attempt_id == attempt_id
+    )  # ix_job_events_job_id_id
     if kind is not None:
         stmt = stmt.where(JobEvent.kind == kind)
     return session.scalar(stmt)

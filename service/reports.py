@@ -191,7 +191,7 @@ def _rendezvous(data: RendezvousComplete, at: _Applied) -> None:
     so the cause comes before the smaller rendezvous it explains; the node's own
     ``node_left`` follows when the controller marks it.
     """
-    at.member.round_reported_after = last_event_id(at.session, at.attempt.id) or 0
+    at.member.round_reported_after = last_event_id(at.session, at.job.id, at.attempt.id) or 0
     world = data.world_size or None
     before = at.attempt.world_size
     at.attempt.world_size = at.job.world_size = world
@@ -270,13 +270,19 @@ def _of_an_ended_round(at: _Applied) -> bool:
     """Whether this failure is of a round that the attempt's last counted restart already
     ended: its node has reported no completed rendezvous round since that restart.
 
-    A node reports its events in order, and a worker of a new round starts only after
-    the node's rendezvous for that round; so a failure that comes before the node's next
-    round is of the round the restart ended, whatever the clocks say. Two nodes that
-    each found a worker of the same round hung (the frozen rank, and its peer waiting
-    for it in a collective) cost one restart, even when the second node's reports come
-    after the first node's restart has formed a new round and the job runs again."""
-    last_restart = last_event_id(at.session, at.attempt.id, "restarting")
+    A node reports its own events in order, and its workers of a new round start only
+    after its rendezvous for that round; so a failure it reports before its next round
+    is of the round the restart ended. Two nodes that each found a worker of the same
+    round hung (the frozen rank, and its peer waiting for it in a collective) then cost
+    one restart, even when the second node's reports come after the first node's
+    restart has formed a new round and the job runs again.
+
+    Different nodes' reports arrive on their own schedules, so two races remain, each
+    worth one restart at most: a node whose report of the new round arrives before the
+    failure that caused the restart has its next failure taken as part of it; and a
+    node whose old round and failure arrive together after the restart is counted
+    again, as before this rule."""
+    last_restart = last_event_id(at.session, at.job.id, at.attempt.id, "restarting")
     if last_restart is None:
         return False
     seen = at.member.round_reported_after

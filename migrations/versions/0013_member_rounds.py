@@ -4,7 +4,8 @@ A charged worker failure that a node reports after the attempt's last restart, w
 that node has reported no rendezvous round since, is of the round the restart ended:
 the same incident, not counted again. Each membership keeps the newest timeline event
 id of its attempt at the moment its node last reported a completed round. Rows made
-before this revision read NULL: no round reported.
+before this revision take their attempt's newest event id, as if their nodes had just
+reported a round: a running attempt's next failure counts, as it did before.
 
 Revision ID: 0013
 Revises: 0012
@@ -27,6 +28,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column(
         "attempt_members", sa.Column("round_reported_after", sa.BigInteger(), nullable=True)
+    )
+    op.execute(
+        "UPDATE attempt_members SET round_reported_after = (SELECT max(job_events.id) "
+        "FROM job_events WHERE job_events.attempt_id = attempt_members.attempt_id)"
     )
 
 

@@ -196,3 +196,28 @@ def test_gpu_columns_migrate_down_and_up_keeping_the_rows(
         assert member_gpus in ([], "[]") and tuple(node) in (([], [], None), ("[]", "[]", None))
     finally:
         engine.dispose()
+
+
+def test_member_rounds_migrate_down_and_up_counting_the_next_failure(
+    api: TestClient, reconciler: Reconciler, db_url: str
+) -> None:
+    """0013 adds where each member's last reported round falls on the timeline; rows made
+    before it take their attempt's newest event, so a running attempt's next failure is
+    counted, as it was before the rule."""
+    register(api, "a")
+    job_id = submit(api, "1")
+    reconciler.run_once()
+    engine = make_engine(db_url)
+    try:
+        command.downgrade(alembic_config(db_url), "0013-1")
+        columns = {c["name"] for c in inspect(engine).get_columns("attempt_members")}
+        assert "round_reported_after" not in columns
+        upgrade_to_head(db_url)
+        with engine.connect() as conn:
+            newest = conn.execute(
+                text("SELECT max(id) FROM job_events WHERE job_id = :j"), {"j": job_id}
+            ).scalar_one()
+            kept = conn.execute(text("SELECT round_reported_after FROM attempt_members"))
+            assert kept.scalar_one() == newest is not None
+    finally:
+        engine.dispose()

@@ -210,7 +210,7 @@ def test_worker_and_launcher_failures_spend_one_budget_and_fail_the_job_alike(
     assert causes == ["crash"]
 
 
-def _round(api: TestClient, node: int, attempt_id: int, group_rank: int, nodes: int) -> Any:
+def _round(group_rank: int, nodes: int) -> Any:
     return event("rendezvous", world_size=nodes, group_rank=group_rank, group_world_size=nodes)
 
 
@@ -248,14 +248,15 @@ def test_the_late_reports_of_a_round_a_restart_already_ended_are_not_counted_aga
     attempt_id = job(api, job_id)["attempts"][0]["id"]
     ranks = {a: 1 - late_rank, b: late_rank, c: 2}
     for node in (a, b, c):
-        _sent(api, node, attempt_id, _round(api, node, attempt_id, ranks[node], 3))
+        _sent(api, node, attempt_id, _round(ranks[node], 3))
     _sent(api, a, attempt_id, _hung(0))
     assert _counted(api, job_id) == ("RESTARTING", 1)
-    _sent(api, a, attempt_id, _round(api, a, attempt_id, ranks[a], 3))  # the new round
+    _sent(api, a, attempt_id, _round(ranks[a], 3))  # the new round
     assert _counted(api, job_id) == ("RUNNING", 1)
     for node in (b, c):  # each: its two hung ranks, then its own new round
-        _sent(api, node, attempt_id, _hung(2, 0), _hung(3, 1))
-        _sent(api, node, attempt_id, _round(api, node, attempt_id, ranks[node], 3))
+        first = 2 * ranks[node]
+        _sent(api, node, attempt_id, _hung(first, 0), _hung(first + 1, 1))
+        _sent(api, node, attempt_id, _round(ranks[node], 3))
     assert _counted(api, job_id) == ("RUNNING", 1)
     assert len(_events(api, job_id, "worker_failed")) == 5  # all on the timeline
     _sent(api, b, attempt_id, _hung(2))  # of the new round: a new incident
@@ -273,11 +274,11 @@ def test_a_crash_of_a_round_formed_after_the_restart_is_counted_whenever_it_arri
     reconciler.run_once()
     attempt_id = job(api, job_id)["attempts"][0]["id"]
     for node, rank in ((a, 0), (b, 1)):
-        _sent(api, node, attempt_id, _round(api, node, attempt_id, rank, 2))
+        _sent(api, node, attempt_id, _round(rank, 2))
     _fail_worker(api, a, attempt_id)  # restart 1
     for node, rank in ((a, 0), (b, 1)):  # the round after it
-        _sent(api, node, attempt_id, _round(api, node, attempt_id, rank, 2))
+        _sent(api, node, attempt_id, _round(rank, 2))
     assert _counted(api, job_id) == ("RUNNING", 1)
-    _sent(api, a, attempt_id, _round(api, a, attempt_id, 0, 2))  # the round b's crash caused
+    _sent(api, a, attempt_id, _round(0, 2))  # the round b's crash caused
     _fail_worker(api, b, attempt_id, global_rank=1)  # b's crash, reported late
     assert _counted(api, job_id) == ("RESTARTING", 2)
