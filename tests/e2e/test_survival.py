@@ -342,6 +342,30 @@ def _script(tmp: Path, name: str, body: str) -> str:
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_script.py"
 
 
+def wait_members_finished(client: RelaunchClient, job_id: int) -> None:
+    """Both members of the job's one attempt end FINISHED with exit code 0. The job
+    succeeds with the first node's success; the other node's comes when its launcher has
+    ended (after a worker that a signal ended, or was ended as hung), a moment later."""
+
+    def finished() -> bool:
+        [attempt] = client.job(job_id)["attempts"]
+        return [(m["state"], m["exit_code"]) for m in attempt["members"]] == [("FINISHED", 0)] * 2
+
+    wait_for("both members FINISHED with exit code 0", finished, timeout_s=60)
+
+
+def _example_then(tmp: Path, name: str, then: str) -> str:
+    """A script that runs the example for 40 steps, then ``then`` (os, sys and time are
+    imported)."""
+    return _script(
+        tmp,
+        name,
+        "import os, runpy, sys, time\n"
+        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n" + then,
+    )
+
+
 def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
 ) -> None:
@@ -350,15 +374,8 @@ def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     barrier, so a restart could never form: the stuck worker is ended as hung, its node
     finishes, and the job succeeds without a restart."""
     start_nodes(cluster, nodes, "stuck-a", "stuck-b")
-    script = _script(
-        tmp_path,
-        "stuck_at_exit.py",
-        "import os, runpy, sys, time\n"
-        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
-        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
-        "if os.environ['RANK'] == '1':\n"
-        "    time.sleep(3600)\n",
-    )
+    then = "if os.environ['RANK'] == '1':\n    time.sleep(3600)\n"
+    script = _example_then(tmp_path, "stuck_at_exit.py", then)
     spec = {
         "name": "stuck-at-exit",
         "script": {"path": script},
@@ -379,8 +396,7 @@ def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     assert "without a restart" in hang["message"]
     assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
     # Both launchers ended as finished: the stuck worker's too, through torch's exit barrier.
-    [attempt] = job["attempts"]
-    assert [(m["state"], m["exit_code"]) for m in attempt["members"]] == [("FINISHED", 0)] * 2
+    wait_members_finished(client, job_id)
     wait_no_processes(cluster, job_id)
 
 
@@ -391,12 +407,9 @@ def test_a_worker_that_aborts_after_its_script_returned_has_finished(
     can at exit: the job has done its work and succeeds, with no restart, whichever user
     its workers run as (the mark lies in the job's own directory under isolation)."""
     start_nodes(cluster, nodes, "abort-a", "abort-b")
-    script = _script(
+    script = _example_then(
         tmp_path,
         "aborts_at_exit.py",
-        "import os, runpy, sys\n"
-        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
-        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
         "class AbortsWhenFreed:\n"  # freed in the teardown, after the exit handlers
         "    def __del__(self, abort=os.abort):\n"
         "        abort()\n"
@@ -417,8 +430,7 @@ def test_a_worker_that_aborts_after_its_script_returned_has_finished(
     assert job["last_step"] == 40
     events = client.events(job_id)
     assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
-    [attempt] = job["attempts"]
-    assert [(m["state"], m["exit_code"]) for m in attempt["members"]] == [("FINISHED", 0)] * 2
+    wait_members_finished(client, job_id)
     wait_no_processes(cluster, job_id)
 
 

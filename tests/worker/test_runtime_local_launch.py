@@ -1,6 +1,11 @@
-"""The variables each spawned worker gets: torchrun's, for one node."""
+"""The variables each spawned worker gets: torchrun's, for one node; how each ends."""
 
 from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +37,21 @@ def test_a_rank_outside_the_world_is_refused(rank: int, nproc: int) -> None:
 def test_no_world_of_zero() -> None:
     with pytest.raises(ValueError, match="nproc"):
         spawn_workers(print, 0)
+
+
+class _AbortsWhenFreed:
+    def __del__(self, abort: Callable[[], None] = os.abort) -> None:
+        abort()
+
+
+def _returns_then_aborts_in_teardown(out: str) -> None:
+    """Works, then leaves an object that aborts the process when the interpreter's
+    teardown frees it (as torch's gloo can at exit)."""
+    with open(os.path.join(out, os.environ["RANK"]), "w") as handle:
+        handle.write("done")
+    sys.keep_until_teardown = _AbortsWhenFreed()  # type: ignore[attr-defined]
+
+
+def test_a_world_whose_work_returned_ends_without_its_teardown(tmp_path: Path) -> None:
+    spawn_workers(_returns_then_aborts_in_teardown, 2, (str(tmp_path),))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]

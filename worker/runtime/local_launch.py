@@ -13,12 +13,22 @@ reads a torchrun worker, and everything after that is the same code.
 another process could take it before rank 0 binds it, and the run then fails at
 start with "address already in use". There is no restart: a child that fails ends
 the others and ``spawn_workers`` raises.
+
+A child whose ``fn`` returned ends at once, status 0, once its logs and standard
+streams are flushed: the interpreter's teardown is skipped, in which torch 2.13's
+gloo can abort the process ("terminate called without an active exception", seen in
+this project's CI), failing a world whose work was done. ``fn`` must therefore leave
+nothing running that it has not waited for (the built-in tasks wait for their last
+snapshot before they return).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +65,11 @@ def _child(
 ) -> None:
     os.environ.update(worker_environ(local_rank, nproc, master_port))
     fn(*args)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(0)  # no teardown: see the module's docstring
 
 
 def spawn_workers(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...] = ()) -> None:
