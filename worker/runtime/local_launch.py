@@ -24,15 +24,14 @@ snapshot before they return).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from worker.ending import exit_now
 
 LOOPBACK = "127.0.0.1"
 
@@ -65,11 +64,7 @@ def _child(
 ) -> None:
     os.environ.update(worker_environ(local_rank, nproc, master_port))
     fn(*args)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(0)  # no teardown: see the module's docstring
+    exit_now(0)  # no teardown: see the module's docstring
 
 
 def spawn_workers(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...] = ()) -> None:
