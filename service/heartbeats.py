@@ -101,7 +101,6 @@ class Pace:
             if self._due_at is not None and now < self._due_at:
                 return self._interval_s
             self._due_at = now + PACE_RECOUNT_S  # this thread counts; the others need not
-            told = self._interval_s
         try:
             alive = self._count_alive()
         except Exception:
