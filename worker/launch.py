@@ -510,12 +510,12 @@ def install_event_hooks(supervision: Supervision) -> None:
     @functools.wraps(original_monitor)
     def _monitor_workers(self: Any, worker_group: Any) -> Any:
         result = original_monitor(self, worker_group)
-        if result.state == WorkerState.FAILED and supervision.finished_after_peers(result.failures):
+        if result.state == WorkerState.FAILED and (
+            supervision.finished_after_peers(result.failures)
+            or returned_before_signals(self, result.failures)
+        ):
             # Every worker a return value, as torch's own success has: its run() records
             # one event per worker and refuses a worker it cannot place.
-            values = {worker.global_rank: None for worker in worker_group.workers}
-            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
-        if result.state == WorkerState.FAILED and returned_before_signals(self, result.failures):
             values = {worker.global_rank: None for worker in worker_group.workers}
             return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
         if result.state == WorkerState.FAILED:
