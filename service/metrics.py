@@ -85,6 +85,13 @@ class ControllerMetrics:
             ["action"],
             registry=self.registry,
         )
+        self.reconcile_queue_reads = Counter(
+            "relaunch_reconcile_queue_reads",
+            "Passes by how much of the queue of PENDING jobs they read: whole, or only its "
+            "head (up to where the jobs read fill the free nodes, and the new jobs)",
+            ["read"],
+            registry=self.registry,
+        )
         self.leader = Gauge(
             "relaunch_controller_leader",
             "1 while this controller holds the leader lease (its reconciler acts), else 0",

@@ -148,6 +148,7 @@ class Room:
             (n for n in alive if n.id not in whole and n.id not in held),
             key=lambda n: (bool(n.gpus), n.id),
         )
+        self._any_idle = bool(idle)
         self._idle = BySlots(idle)
         self._idle_gpu_less = BySlots([n for n in idle if not n.gpus])
         self._free_gpus = {
@@ -156,6 +157,11 @@ class Room:
             if n.gpus and n.id not in whole
         }
         self._by_count: dict[tuple[int, Owner], list[Fit]] = {}
+
+    def is_full(self) -> bool:
+        """Whether no attempt, on any device, of any owner and of any size, could take
+        anything here: every node is held whole or has no GPU free."""
+        return not self._any_idle and not any(self._free_gpus.values())
 
     def _free_for(self, owner: Owner) -> dict[int, list[int]]:
         """The free GPUs, by node, of the nodes an attempt of ``owner`` on "cuda" may share."""

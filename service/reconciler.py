@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import MultipleResultsFound
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -204,18 +204,24 @@ def plan(
     placed (``resolve_device``); scale-up keeps the attempt's, and an attempt on
     "cpu" grows only onto nodes without GPUs (it would hold them whole until it ends).
     """
+    return plan_with_room(now, nodes, jobs, node_timeout, share_gpu_nodes)[0]
+
+
+def plan_with_room(
+    now: datetime,
+    nodes: Sequence[NodeView],
+    jobs: Sequence[JobView],
+    node_timeout: timedelta,
+    share_gpu_nodes: bool = False,
+) -> tuple[list[Action], Room]:
+    """``plan``, and the room its placeable jobs left (before any running attempt grew
+    into it): a full room would take none of the jobs queued after them."""
     actions: list[Action] = []
-    lost = {
-        n.id
-        for n in nodes
-        if n.state is NodeState.ALIVE and now - n.last_heartbeat_at > node_timeout + n.extra_silence
-    }
+    lost = {n.id for n in nodes if _silent_too_long(now, n, node_timeout)}
     actions += [
         MarkNodeLost(n.id, now - node_timeout - n.extra_silence) for n in nodes if n.id in lost
     ]
-    alive = sorted(
-        (n for n in nodes if n.state is NodeState.ALIVE and n.id not in lost), key=lambda n: n.id
-    )
+    alive = _alive(now, nodes, node_timeout)
     alive_ids = {n.id for n in alive}
     with_gpus = sum(1 for n in alive if n.gpus)
 
@@ -292,6 +298,7 @@ def plan(
         reason = reasons[asked]
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))
+    left = room
     for job, remaining in running:
         room_for = job.spec.max_nodes - len(remaining)
         if room_for <= 0 or job.attempt_id is None:
@@ -304,7 +311,36 @@ def plan(
             chosen, gpus = by_id(job.device, others)
             actions.append(AddMembers(job.id, job.attempt_id, chosen, gpus))
             room = room.taking(job.device, chosen, gpus, job.owner)
-    return actions
+    return actions, left
+
+
+def _silent_too_long(now: datetime, node: NodeView, node_timeout: timedelta) -> bool:
+    return (
+        node.state is NodeState.ALIVE
+        and now - node.last_heartbeat_at > node_timeout + node.extra_silence
+    )
+
+
+def _alive(now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta) -> list[NodeView]:
+    """The nodes ``plan`` places on: ALIVE and not silent too long, by id."""
+    return sorted(
+        (
+            n
+            for n in nodes
+            if n.state is NodeState.ALIVE and not _silent_too_long(now, n, node_timeout)
+        ),
+        key=lambda n: n.id,
+    )
+
+
+def fleet_shape(
+    now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta
+) -> tuple[tuple[int, int], ...]:
+    """What a waiting job's reason (and an "auto" job's device) depends on besides the job:
+    the slots and the number of GPUs of each node ``plan`` counts alive. While it stays
+    the same, a reason once written stays right (``Reconciler`` reads the queue whole
+    again when it changes)."""
+    return tuple(sorted((n.slots, len(n.gpus)) for n in _alive(now, nodes, node_timeout)))
 
 
 def _gpus_text(gpus: Sequence[int]) -> str:
@@ -321,19 +357,31 @@ SpecCache = dict[tuple[int, datetime], JobSpec]
 def load_views(
     session: Session, specs: SpecCache | None = None, base_interval_s: float | None = None
 ) -> tuple[list[NodeView], list[JobView]]:
+    """The nodes and every open job (``read_fleet`` and the whole queue, ``read_queue``);
+    ``specs`` is left holding the open jobs' specs only."""
+    specs = {} if specs is None else specs
+    nodes, jobs = read_fleet(session, specs, base_interval_s)
+    jobs += read_queue(session, specs)
+    _keep_specs(specs, jobs)
+    return nodes, jobs
+
+
+def read_fleet(
+    session: Session, specs: SpecCache, base_interval_s: float | None = None
+) -> tuple[list[NodeView], list[JobView]]:
     """The nodes (with their GPUs, what ended attempts' active members still hold on
     them and, given the ``base_interval_s`` of heartbeats, the silence each was allowed
-    beyond it) and the open jobs, each open job with its owner and its running attempt's
-    device and active members (with the GPUs each holds).
+    beyond it) and the open jobs that have been placed (WAITING, RUNNING, RESTARTING:
+    no more than the nodes hold or held), each with its owner and its running attempt's
+    device and active members (with the GPUs each holds). The PENDING jobs, the queue,
+    are ``read_queue``'s.
 
-    A fixed number of statements however many jobs are open: nodes, open jobs,
+    A fixed number of statements however many jobs are open: nodes, placed jobs,
     their running attempts, every active member (of any attempt), and the specs of
-    the jobs ``specs`` lacks (one statement per ``chunked`` run of them);
-    the views are put together here. ``specs`` is kept from pass to pass: it is
-    left holding the open jobs' specs only. A job with two running attempts is an
-    error, as ``running_attempt`` says.
+    the jobs ``specs`` lacks (one statement per ``chunked`` run of them), which are
+    added to it; the views are put together here. A job with two running attempts is
+    an error, as ``running_attempt`` says.
     """
-    specs = {} if specs is None else specs
     node_columns = (
         Node.id,
         Node.state,
@@ -343,21 +391,12 @@ def load_views(
         Node.heartbeat_interval_s,
     )
     node_rows = session.execute(select(*node_columns)).all()
-    open_jobs = Job.state.in_([s for s in JobState if not s.is_terminal()])
-    columns = (
-        Job.id,
-        Job.state,
-        Job.created_at,
-        Job.waiting_since,
-        Job.not_before,
-        Job.message,
-        Job.owner_id,
-    )
-    rows = session.execute(select(*columns).where(open_jobs)).all()
+    placed = Job.state.in_([s for s in JobState if s.is_placed()])
+    rows = session.execute(select(*_JOB_COLUMNS).where(placed)).all()
     running = (
         select(Attempt.id, Attempt.job_id, Attempt.device)
         .join(Job, Job.id == Attempt.job_id)
-        .where(open_jobs, Attempt.state == AttemptState.RUNNING)
+        .where(placed, Attempt.state == AttemptState.RUNNING)
     )
     attempt_of: dict[int, int] = {}
     device_of: dict[int, Device] = {}
@@ -426,16 +465,78 @@ def load_views(
     return nodes, jobs
 
 
+_JOB_COLUMNS = (
+    Job.id,
+    Job.state,
+    Job.created_at,
+    Job.waiting_since,
+    Job.not_before,
+    Job.message,
+    Job.owner_id,
+)
+
+# Where a job stands in the queue: jobs are placed oldest first (``plan``).
+QueueKey = tuple[datetime, int]
+
+
+def queue_key(job: JobView) -> QueueKey:
+    return job.created_at, job.id
+
+
+def read_queue(
+    session: Session,
+    specs: SpecCache,
+    *,
+    after: QueueKey | None = None,
+    limit: int | None = None,
+    unexplained: bool = False,
+) -> list[JobView]:
+    """The PENDING jobs (never placed: no attempt), oldest first: all of them, or the
+    ``limit`` first after ``after``, or (``unexplained``) those that do not yet say why
+    they wait (submitted since the last pass). Their specs are added to ``specs``."""
+    stmt = select(*_JOB_COLUMNS).where(Job.state == JobState.PENDING)
+    if unexplained:
+        stmt = stmt.where(Job.message == "")
+    if after is not None:
+        created_at, job_id = after
+        stmt = stmt.where(
+            or_(Job.created_at > created_at, and_(Job.created_at == created_at, Job.id > job_id))
+        )
+    stmt = stmt.order_by(Job.created_at, Job.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    rows = session.execute(stmt).all()
+    _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
+    return [
+        JobView(
+            id=job_id,
+            state=state,
+            created_at=created_at,
+            spec=specs[job_id, created_at],
+            waiting_since=waiting_since,
+            not_before=not_before,
+            message=message,
+            owner=owner,
+        )
+        for job_id, state, created_at, waiting_since, not_before, message, owner in rows
+    ]
+
+
 def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, datetime]]) -> None:
-    """Make ``specs`` hold the specs of the jobs ``keys`` name, and only those."""
-    wanted = set(keys)
-    for gone in [key for key in specs if key not in wanted]:
-        del specs[gone]
-    missing = sorted(job_id for job_id, created_at in wanted if (job_id, created_at) not in specs)
+    """Add to ``specs`` those of the jobs ``keys`` name that it lacks."""
+    missing = sorted({job_id for job_id, created_at in keys if (job_id, created_at) not in specs})
     for chunk in chunked(missing):
         stmt = select(Job.id, Job.created_at, Job.spec).where(Job.id.in_(chunk))
         for job_id, created_at, stored in session.execute(stmt):
             specs[job_id, created_at] = parse_stored_spec(stored)
+
+
+def _keep_specs(specs: SpecCache, jobs: Sequence[JobView]) -> None:
+    """Leave ``specs`` holding the specs of ``jobs`` only (every open job's, after a
+    whole read)."""
+    wanted = {queue_key(job) for job in jobs}
+    for gone in [key for key in specs if key not in wanted]:
+        del specs[gone]
 
 
 def _extra_silence(told_s: float | None, base_s: float | None) -> timedelta:
@@ -474,7 +575,9 @@ class _PhaseTimer:
             self._metrics.reconcile_phase.labels(phase).observe(self.seconds[phase])
         self._since = now
 
-    def describe_slow(self, limit_s: float, nodes: int, jobs: int, actions: list[Action]) -> None:
+    def describe_slow(
+        self, limit_s: float, nodes: int, jobs: int, actions: list[Action], whole: bool
+    ) -> None:
         """Log the pass if it took longer than ``limit_s`` (its interval): where the time
         went, and what it did, by kind of action."""
         total = sum(self.seconds.values())
@@ -483,13 +586,33 @@ class _PhaseTimer:
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.seconds.items())
         kinds = Counter(type(a).__name__ for a in actions)
         logger.info(
-            "slow reconciler pass: %.2f s (%s) over %d nodes and %d open jobs; actions: %s",
+            "slow reconciler pass: %.2f s (%s) over %d nodes and %d open jobs read (%s); "
+            "actions: %s",
             total,
             phases,
             nodes,
             jobs,
+            "the whole queue" if whole else "the queue's head",
             ", ".join(f"{kind} {count}" for kind, count in kinds.most_common()) or "none",
         )
+
+
+# The queue's first page a pass reads (``Reconciler._with_queue``), and how often at
+# least it reads the queue whole.
+QUEUE_PAGE = 256
+WHOLE_READ_EVERY_S = 300.0
+
+
+@dataclass(frozen=True)
+class WholeRead:
+    """A pass that read the whole queue and whose reasons were written: in which term of
+    the lease, for which ``fleet_shape``, when (``time.monotonic``), and how many open
+    jobs it found."""
+
+    term: int
+    shape: tuple[tuple[int, int], ...]
+    at: float
+    open_jobs: int
 
 
 class Reconciler:
@@ -521,7 +644,8 @@ class Reconciler:
         # silence counts from then at the earliest.
         self._leading_since = clock()
         self._last_pass: datetime | None = None  # wall time of the loop's last pass
-        self._specs: SpecCache = {}  # the open jobs' specs, read once each (``load_views``)
+        self._specs: SpecCache = {}  # the open jobs' specs, read once each
+        self._whole_read: WholeRead | None = None  # the last whole read of the queue
 
     @property
     def is_leader(self) -> bool:
@@ -551,18 +675,83 @@ class Reconciler:
     ) -> list[Action]:
         phase = _PhaseTimer(self._metrics)
         with transaction(self._factory) as session:
-            nodes, jobs = load_views(session, self._specs, self._settings.heartbeat_interval_s)
+            nodes, placed = read_fleet(session, self._specs, self._settings.heartbeat_interval_s)
+            nodes = [
+                replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
+                for n in nodes
+            ]
+            jobs, whole = self._with_queue(session, leadership, now, nodes, placed, node_timeout)
         phase.done("load")
-        nodes = [
-            replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
-            for n in nodes
-        ]
         actions = plan(now, nodes, jobs, node_timeout, self._settings.share_gpu_nodes_across_users)
         phase.done("plan")
         self._apply_all(leadership, actions, now)
         phase.done("apply")
-        phase.describe_slow(self._settings.reconcile_interval_s, len(nodes), len(jobs), actions)
+        if whole is not None and self._leadership is not None:
+            self._whole_read = whole  # the reasons it decided are written
+        if self._metrics is not None:
+            self._metrics.reconcile_queue_reads.labels("whole" if whole else "head").inc()
+        phase.describe_slow(
+            self._settings.reconcile_interval_s, len(nodes), len(jobs), actions, whole is not None
+        )
         return actions
+
+    def _with_queue(
+        self,
+        session: Session,
+        leadership: Leadership,
+        now: datetime,
+        nodes: list[NodeView],
+        placed: list[JobView],
+        node_timeout: timedelta,
+    ) -> tuple[list[JobView], WholeRead | None]:
+        """``placed`` and the queue, as far as this pass needs it: its jobs decide the
+        same placements, and every job in it left unread already says why it waits.
+
+        The whole queue is read when it may hold a reason that is no longer right: on
+        this controller's first pass of a term, when the nodes' shape (``fleet_shape``)
+        changed since the last whole read, at least every ``WHOLE_READ_EVERY_S``, and
+        when the specs kept have grown well past the open jobs. Otherwise the queue is
+        read oldest first, a page at a time (``QUEUE_PAGE``, doubling), up to where the
+        jobs read fill every free node and GPU (``Room.is_full``: none after them could
+        be placed, and ``plan`` takes them oldest first); then the jobs that do not yet
+        say why they wait (new ones) are added, for ``plan`` to explain. Returns the
+        jobs and, for a whole read, what to remember of it once its pass is applied.
+        """
+        shape = fleet_shape(now, nodes, node_timeout)
+        last = self._whole_read
+        if (
+            last is None
+            or last.term != leadership.term
+            or last.shape != shape
+            or time.monotonic() - last.at > WHOLE_READ_EVERY_S
+            or len(self._specs) > 2 * last.open_jobs + QUEUE_PAGE
+        ):
+            at = time.monotonic()
+            queue = read_queue(session, self._specs)
+            jobs = placed + queue
+            _keep_specs(self._specs, jobs)
+            return jobs, WholeRead(leadership.term, shape, at, len(jobs))
+        share = self._settings.share_gpu_nodes_across_users
+        head: list[JobView] = []
+        page = QUEUE_PAGE
+        while True:
+            after = queue_key(head[-1]) if head else None
+            read = read_queue(session, self._specs, after=after, limit=page)
+            head += read
+            if len(read) < page:  # the whole queue after all
+                jobs = placed + head
+                _keep_specs(self._specs, jobs)
+                return jobs, WholeRead(leadership.term, shape, time.monotonic(), len(jobs))
+            upto = queue_key(head[-1])
+            # A WAITING job queued after ``upto`` would not come before the unread ones.
+            before = [j for j in placed if not j.state.is_placeable() or queue_key(j) <= upto]
+            _, room = plan_with_room(now, nodes, before + head, node_timeout, share)
+            if room.is_full():
+                break
+            page *= 2
+        seen = {job.id for job in head}
+        new = [j for j in read_queue(session, self._specs, unexplained=True) if j.id not in seen]
+        return placed + head + new, None
 
     def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:
         """Apply each action in its own transaction, in order, except the ``ExplainWait``s:

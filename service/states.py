@@ -46,6 +46,10 @@ class JobState(StrEnum):
         """Placed on nodes: an attempt of the job is running."""
         return self in (JobState.RUNNING, JobState.RESTARTING)
 
+    def is_placed(self) -> bool:
+        """Open, and placed at least once: it has had an attempt (not PENDING)."""
+        return self in (JobState.WAITING, JobState.RUNNING, JobState.RESTARTING)
+
     def is_placeable(self) -> bool:
         """Not on nodes, and wants to be."""
         return self in (JobState.PENDING, JobState.WAITING)
