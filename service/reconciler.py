@@ -735,19 +735,24 @@ class Reconciler:
         head: list[JobView] = []
         page = QUEUE_PAGE
         while True:
-            after = queue_key(head[-1]) if head else None
-            read = read_queue(session, self._specs, after=after, limit=page)
+            # The room the jobs queued up to the last one read leave (none read: the room
+            # the running attempts leave); a WAITING job queued after it does not come
+            # before the jobs not read.
+            upto = queue_key(head[-1]) if head else None
+            before = [
+                j
+                for j in placed
+                if not j.state.is_placeable() or (upto is not None and queue_key(j) <= upto)
+            ]
+            _, room = plan_with_room(now, nodes, before + head, node_timeout, share)
+            if room.is_full():
+                break
+            read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
             if len(read) < page:  # the whole queue after all
                 jobs = placed + head
                 _keep_specs(self._specs, jobs)
                 return jobs, WholeRead(leadership.term, shape, time.monotonic(), len(jobs))
-            upto = queue_key(head[-1])
-            # A WAITING job queued after ``upto`` would not come before the unread ones.
-            before = [j for j in placed if not j.state.is_placeable() or queue_key(j) <= upto]
-            _, room = plan_with_room(now, nodes, before + head, node_timeout, share)
-            if room.is_full():
-                break
             page *= 2
         seen = {job.id for job in head}
         new = [j for j in read_queue(session, self._specs, unexplained=True) if j.id not in seen]

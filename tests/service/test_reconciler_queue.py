@@ -1,0 +1,179 @@
+"""A pass reads the queue only as far as the free nodes reach, and decides as a pass that
+read it whole would: the same placements, and every PENDING job says why it waits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service import reconciler as reconciler_module
+from service.db import transaction
+from service.metrics import ControllerMetrics
+from service.placement import Room
+from service.reconciler import ExplainWait, NodeView, PlaceJob, Reconciler, load_views, plan
+from service.settings import ControllerSettings
+from service.states import NodeState
+from tests.helpers import FakeClock
+from tests.service.helpers import Cluster, event, heartbeat, job, register, report, submit
+
+FREE = "waiting for nodes: needs {n}, too few are free; other jobs hold the rest"
+TOO_FEW_ALIVE = "waiting for nodes: needs {n}, too few nodes are alive"
+
+
+def test_a_room_is_full_when_no_node_and_no_gpu_is_free() -> None:
+    cpu = [
+        NodeView(1, NodeState.ALIVE, FakeClock().now, 1),
+        NodeView(2, NodeState.ALIVE, FakeClock().now, 4),
+    ]
+    assert not Room(cpu, whole=set(), held={}).is_full()
+    assert not Room(cpu, whole={1}, held={}).is_full()
+    assert Room(cpu, whole={1, 2}, held={}).is_full()
+    gpu = [NodeView(3, NodeState.ALIVE, FakeClock().now, 8, gpus=(0, 1))]
+    assert not Room(gpu, whole=set(), held={3: {0}}).is_full()  # GPU 1 is free
+    assert Room(gpu, whole=set(), held={3: {0, 1}}).is_full()
+    assert Room(gpu, whole={3}, held={}).is_full()
+    assert Room([], whole=set(), held={}).is_full()
+
+
+@pytest.fixture
+def small_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pages of one job, so that a queue of a few jobs has a head and a tail."""
+    monkeypatch.setattr(reconciler_module, "QUEUE_PAGE", 1)
+    yield
+
+
+@pytest.fixture
+def counted(api: TestClient, settings: ControllerSettings, clock: FakeClock) -> Reconciler:
+    """A reconciler whose metrics count how much of the queue each pass read."""
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    return Reconciler(factory, settings, clock, ControllerMetrics())
+
+
+def reads(reconciler: Reconciler) -> dict[str, float]:
+    """Passes so far by how much of the queue they read: {"whole": n, "head": m}."""
+    metrics = reconciler._metrics
+    assert metrics is not None
+    return {
+        read: metrics.reconcile_queue_reads.labels(read)._value.get() for read in ("whole", "head")
+    }
+
+
+def whole_plan(api: Cluster, settings: ControllerSettings, clock: FakeClock) -> list[Any]:
+    """What a pass that read the whole queue would decide now."""
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with transaction(factory) as session:
+        nodes, jobs = load_views(session, None, settings.heartbeat_interval_s)
+    return plan(clock.now, nodes, jobs, timedelta(seconds=settings.node_timeout_s))
+
+
+def finish(api: Cluster, job_id: int) -> None:
+    """Every member of the job's attempt reports that it succeeded: its nodes are free."""
+    attempt = job(api, job_id)["attempts"][-1]
+    for member in attempt["members"]:
+        r = report(
+            api,
+            member["node_id"],
+            attempt["id"],
+            events=[event("finished", step=10, loss=0.1)],
+            exit={"outcome": "succeeded", "exit_code": 0},
+        )
+        assert r.status_code == 200, r.text
+    assert job(api, job_id)["state"] == "SUCCEEDED"
+
+
+def pending_messages(api: Cluster, ids: list[int]) -> dict[int, str]:
+    return {i: job(api, i)["message"] for i in ids if job(api, i)["state"] == "PENDING"}
+
+
+def test_a_pass_that_reads_the_head_places_and_explains_as_a_whole_read_would(
+    api: Cluster,
+    counted: Reconciler,
+    settings: ControllerSettings,
+    clock: FakeClock,
+    small_pages: None,
+) -> None:
+    """Four nodes of 1 and 2 slots and a queue of mixed sizes, drained as jobs finish: each
+    pass's placements are the ones a whole read decides, and after each pass no PENDING
+    job's message differs from its reason (a whole read would explain nothing)."""
+    api.user_token = api.add_user("queue", max_active_jobs=100, max_nodes=100)
+    nodes = [
+        register(api, "a"),
+        register(api, "b", slots=2),
+        register(api, "c"),
+        register(api, "d"),
+    ]
+    shapes = [("2:2", 1), ("1:1", 2), ("1:1", 1), ("3:3", 1), ("1:2", 1), ("1:1", 2), ("2:2", 2)]
+    queued = [submit(api, nnodes, nproc_per_node=nproc) for nnodes, nproc in shapes * 3]
+    first = counted.run_once()  # the first pass of a term reads the queue whole
+    placed = [a.job_id for a in first if isinstance(a, PlaceJob)]
+    for _ in range(20):
+        for node_id in nodes:
+            heartbeat(api, node_id)
+        expected = [a for a in whole_plan(api, settings, clock) if not isinstance(a, ExplainWait)]
+        actions = counted.run_once()
+        assert [a for a in actions if not isinstance(a, ExplainWait)] == expected
+        assert [a for a in whole_plan(api, settings, clock) if isinstance(a, ExplainWait)] == []
+        placed += [a.job_id for a in expected]
+        running = [i for i in placed if job(api, i)["state"] == "RUNNING"]
+        if not running:
+            break
+        finish(api, running[0])
+    assert reads(counted)["head"] >= 5  # the head was read, not the whole queue each time
+    assert len(placed) > 8
+    assert all(message for message in pending_messages(api, queued).values())
+
+
+def test_a_reason_that_the_nodes_change_is_rewritten_while_no_node_is_free(
+    api: Cluster, counted: Reconciler, clock: FakeClock, small_pages: None
+) -> None:
+    """Three nodes, all held; two jobs of three nodes wait because too few are free. A
+    node is lost: now too few are alive, and both jobs say so, though no node is free
+    and the second job is past the head a pass would read."""
+    a, b = register(api, "a"), register(api, "b")
+    register(api, "c")
+    pair, single = submit(api, "2:2"), submit(api, "1:1")
+    counted.run_once()
+    first, second = submit(api, "3:3"), submit(api, "3:3")
+    counted.run_once()  # explains the new jobs, reading no more of the queue
+    assert pending_messages(api, [first, second]) == {
+        first: FREE.format(n=3),
+        second: FREE.format(n=3),
+    }
+    assert reads(counted)["head"] >= 1
+    assert {job(api, pair)["state"], job(api, single)["state"]} == {"RUNNING"}
+
+    clock.advance(11)  # past the node timeout; c is silent
+    heartbeat(api, a)
+    heartbeat(api, b)
+    whole_before = reads(counted)["whole"]
+    counted.run_once()
+    assert job(api, single)["state"] == "WAITING"
+    assert reads(counted)["whole"] == whole_before + 1
+    assert pending_messages(api, [first, second]) == {
+        first: TOO_FEW_ALIVE.format(n=3),
+        second: TOO_FEW_ALIVE.format(n=3),
+    }
+
+
+def test_a_new_job_says_why_it_waits_without_a_whole_read(
+    api: Cluster, counted: Reconciler, small_pages: None
+) -> None:
+    """With every node held, a pass reads none of the queue but its new jobs."""
+    a = register(api, "a")
+    holder, old = submit(api, "1:1"), submit(api, "1:1")
+    counted.run_once()
+    assert job(api, holder)["state"] == "RUNNING"
+    assert job(api, old)["message"] == FREE.format(n=1)
+    new = [submit(api, "1:1"), submit(api, "2:2")]
+    heartbeat(api, a)
+    before = reads(counted)
+    counted.run_once()
+    assert reads(counted) == {"whole": before["whole"], "head": before["head"] + 1}
+    assert pending_messages(api, new) == {
+        new[0]: FREE.format(n=1),
+        new[1]: TOO_FEW_ALIVE.format(n=2),
+    }
