@@ -170,6 +170,8 @@ class NodeAgent:
         self._heartbeats_failed = 0
         self._next_heartbeat = 0.0
         self._next_report = 0.0
+        # When each attempt's next report with no exit in it may go (``_delivery_due``).
+        self._next_delivery: dict[int, float] = {}
         self._next_register = 0.0
         self._next_alive = 0.0
         self._register_backoff_s = 0.5
@@ -468,10 +470,11 @@ class NodeAgent:
 
     def _report_all(self) -> None:
         reachable = True
+        now = self._clock()
         for attempt in list(self._attempts.values()):
             attempt.refresh()
             attempt.poll()
-            if reachable and self._node_id is not None:
+            if reachable and self._node_id is not None and self._delivery_due(attempt, now):
                 reachable = self._deliver(attempt, self._node_id)
             if attempt.done:
                 self._forget(attempt)
@@ -481,6 +484,23 @@ class NodeAgent:
         if self._spare is not None:
             launchers.add(self._spare.pid)
         procs.reap_children(exclude={pid for pid in launchers if pid is not None})
+
+    def _report_every_s(self) -> float:
+        """How often an attempt's output and events are sent: every report interval while
+        the controller keeps the base heartbeat interval, else once per heartbeat
+        interval it gave (its pace bounds the reports of a large fleet as it bounds the
+        heartbeats). An exit is sent at once."""
+        if self._heartbeat_s <= self._base_heartbeat_s:
+            return self._settings.report_interval_s
+        return max(self._settings.report_interval_s, self._heartbeat_s)
+
+    def _delivery_due(self, attempt: Attempt, now: float) -> bool:
+        """Whether ``attempt`` reports now: it has ended, or its paced time has come."""
+        due = self._next_delivery.get(attempt.attempt_id, 0.0)
+        if attempt.exit is None and now < due:
+            return False
+        self._next_delivery[attempt.attempt_id] = now + self._report_every_s()
+        return True
 
     def _deliver(self, attempt: Attempt, node_id: int) -> bool:
         """Send what the attempt has to say; False if the controller could not be reached."""
@@ -524,6 +544,7 @@ class NodeAgent:
 
     def _forget(self, attempt: Attempt) -> None:
         del self._attempts[attempt.attempt_id]
+        self._next_delivery.pop(attempt.attempt_id, None)
         self._finished.append(run_key(attempt.assignment))
 
     def _leave(self, node_id: int) -> None:

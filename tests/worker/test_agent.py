@@ -1,17 +1,22 @@
 """NodeAgent.step against a scripted client and a hand-moved clock (no processes)."""
 
 import os
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 from contract.protocol import (
+    AttemptExit,
     AttemptReport,
     Heartbeat,
     HeartbeatReply,
+    LogLine,
     NodeLeave,
     NodeLeft,
     NodeRegister,
     NodeRegistered,
     ReportAccepted,
+    RunningAttempt,
 )
 from worker.agent import NodeAgent
 from worker.client import ControllerClient, ControllerUnavailableError, UnknownNodeError
@@ -195,3 +200,71 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
             sent_at.append(round(clock.now - 100.0, 1))
     # 10: fails, 12: fails, 16: fails, 24: answered (8 s later, not 10), 34: at the pace
     assert sent_at[:5] == [10.0, 12.0, 16.0, 24.0, 34.0]
+
+
+class NewsyAttempt:
+    """An attempt with something to report at every tick (no processes): each report is
+    one log line, the last one its exit once ``exit`` is set."""
+
+    def __init__(self) -> None:
+        self.attempt_id = 5
+        self.assignment = SimpleNamespace(job_id=1, attempt_id=5, member_id=9)
+        self.exit: AttemptExit | None = None
+        self.done = False
+        self.launcher_pid = None
+
+    def refresh(self) -> None: ...
+
+    def poll(self) -> None: ...
+
+    def stop(self, why: str) -> None: ...  # the scripted replies assign it nothing
+
+    def running_info(self) -> RunningAttempt:
+        return RunningAttempt(attempt_id=5, launcher_pid=None, processes=1)
+
+    def ledger_entries(self) -> list[object]:
+        return []
+
+    def next_report(self, **_limits: object) -> SimpleNamespace | None:
+        if self.done:
+            return None
+        line = LogLine(time=datetime.now(UTC), stream="stdout", line="step")
+        report = AttemptReport(attempt_id=5, member_id=9, logs=[line], exit=self.exit)
+        return SimpleNamespace(report=report)
+
+    def delivered(self, pending: SimpleNamespace) -> None:
+        self.done = pending.report.exit is not None
+
+
+def test_reports_follow_the_heartbeat_pace_and_an_exit_goes_at_once(tmp_path: Path) -> None:
+    """At the base interval an attempt reports every report interval (0.5 s); paced at
+    10 s, once per heartbeat interval; its exit is not held back by the pace."""
+    agent, client, clock = _agent(tmp_path)
+    told = [2.0]  # registration's base interval, then what each reply tells
+
+    def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
+        client.calls.append(f"heartbeat {node_id}")
+        return HeartbeatReply(heartbeat_interval_s=told[0])
+
+    client.heartbeat = paced  # type: ignore[method-assign]
+    attempt = NewsyAttempt()
+    agent._attempts[attempt.attempt_id] = attempt  # type: ignore[assignment]
+
+    def reports_over(seconds: float) -> list[float]:
+        start, sent_at = clock.now, []
+        for tick in range(1, int(seconds * 20) + 1):
+            clock.now = start + tick / 20
+            before = client.calls.count("report")
+            agent.step()
+            if client.calls.count("report") > before:
+                sent_at.append(round(clock.now - start, 2))
+        return sent_at
+
+    agent.step()  # registers
+    assert len(reports_over(10.0)) >= 19  # every 0.5 s
+    told[0] = 10.0
+    reports_over(10.0)  # the next heartbeat tells the pace
+    assert len(reports_over(30.0)) == 3  # once per 10 s
+    attempt.exit = AttemptExit(outcome="succeeded", exit_code=0)
+    assert len(reports_over(0.5)) == 1  # at the next report tick, as at the base interval
+    assert attempt.done
