@@ -114,6 +114,10 @@ class SimNode:
         self._node_id = 0
         self._token = ""
         self._interval_s = 1.0
+        self._base_interval_s = 1.0  # registration's
+        # What each run has to report and when it may next send it (``_report``).
+        self._held: dict[RunKey, tuple[list[Any], list[str]]] = {}
+        self._next_report: dict[RunKey, float] = {}
         self._runs: dict[int, tuple[RunKey, asyncio.Task[None]]] = {}
         self._finished: set[RunKey] = set()
         self._closing = False
@@ -137,7 +141,7 @@ class SimNode:
         response.raise_for_status()
         registered = NodeRegistered.model_validate(response.json())
         self._node_id, self._token = registered.node_id, registered.node_token
-        self._interval_s = registered.heartbeat_interval_s
+        self._interval_s = self._base_interval_s = registered.heartbeat_interval_s
 
     async def serve(self, until: float) -> None:
         """Heartbeat until ``until`` (``time.monotonic``), then drop every run without a
@@ -214,6 +218,8 @@ class SimNode:
         finally:
             self._finished.add(key)
             self._runs.pop(attempt_id, None)
+            self._held.pop(key, None)
+            self._next_report.pop(key, None)
 
     async def _train(self, key: RunKey, members: int) -> None:
         training, attempt_id = self._training, key[0]
@@ -273,7 +279,20 @@ class SimNode:
         logs: list[str] | None = None,
         exit: AttemptExit | None = None,
     ) -> bool:
-        """Send one report; retried on 503 (a lost compare-and-set), ``_Fenced`` on 409."""
+        """Send one report; retried on 503 (a lost compare-and-set), ``_Fenced`` on 409.
+        As an agent paces them (``worker.agent``): above the base heartbeat interval a
+        run's events and lines are held and sent at most once per interval told, with
+        its next report or its exit, which is not held."""
+        held_events, held_logs = self._held.setdefault(key, ([], []))
+        held_events += events or []
+        held_logs += logs or []
+        paced = self._interval_s > self._base_interval_s
+        if exit is None and paced and time.monotonic() < self._next_report.get(key, 0.0):
+            return True
+        self._next_report[key] = time.monotonic() + self._interval_s
+        events, logs = self._held.pop(key)
+        if exit is not None:
+            self._next_report.pop(key, None)
         now = datetime.now(UTC)
         report = AttemptReport(
             attempt_id=key[0],
