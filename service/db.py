@@ -31,7 +31,6 @@ MIGRATION_LOCK_KEY = 0x72656C61756E6368  # "relaunch"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 # Connections an engine may hold at once unless told: the pool keeps this many open at most.
 DEFAULT_CONNECTIONS = 30
-_KEPT_OPEN = 10  # connections the pool keeps open while idle; the rest close when returned
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -108,11 +107,13 @@ def make_sqlite_parent(url: str) -> None:
 
 
 def _pool_size(connections: int) -> dict[str, int]:
-    """Pool arguments that let ``connections`` be held at once, no more."""
+    """Pool arguments that let ``connections`` be held at once, no more, each opened when
+    first needed and then kept open: a pool that closed what it had beyond a few idle
+    ones opened a new PostgreSQL connection (a server process, authentication, a TLS or
+    TCP handshake) for most requests once more than those few ran at once."""
     if connections < 1:
         raise ValueError(f"an engine needs at least one connection, not {connections}")
-    kept = min(_KEPT_OPEN, connections)
-    return {"pool_size": kept, "max_overflow": connections - kept}
+    return {"pool_size": connections, "max_overflow": 0}
 
 
 def _sqlite_engine(url: str, connections: int) -> Engine:

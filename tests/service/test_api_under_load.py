@@ -17,8 +17,9 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from service import heartbeats
 from service.api.app import create_app
@@ -124,3 +125,27 @@ def test_an_in_memory_sqlite_database_takes_no_pool_size(url: str) -> None:
     with engine.connect() as connection:
         assert connection.exec_driver_sql("select 1").scalar() == 1
     engine.dispose()
+
+
+def test_the_pool_keeps_open_the_connections_its_load_needed(db_url: str) -> None:
+    """Twenty held at once, then returned: all twenty stay open, and twenty more at once
+    open none (a pool that kept ten opened a new PostgreSQL connection for most requests
+    once more than ten ran together); a twenty-first waits, as the limit says."""
+    engine = make_engine(db_url, connections=20)
+    opened = []
+    event.listen(engine, "connect", lambda *_: opened.append(1))
+    try:
+        for _ in range(2):
+            held = [engine.raw_connection() for _ in range(20)]
+            for connection in held:
+                connection.close()  # back to the pool
+            assert engine.pool.checkedin() == 20  # type: ignore[attr-defined]
+        assert len(opened) == 20
+        held = [engine.raw_connection() for _ in range(20)]
+        engine.pool._timeout = 0.1  # type: ignore[attr-defined]
+        with pytest.raises(PoolTimeout):
+            engine.raw_connection()
+        for connection in held:
+            connection.close()
+    finally:
+        engine.dispose()
