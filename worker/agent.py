@@ -170,8 +170,8 @@ class NodeAgent:
         self._heartbeats_failed = 0
         self._next_heartbeat = 0.0
         self._next_report = 0.0
-        # When each attempt's next report with no exit in it may go (``_delivery_due``).
-        self._next_delivery: dict[int, float] = {}
+        # When each attempt last had everything it had to say delivered (``_delivery_due``).
+        self._drained_at: dict[int, float] = {}
         self._next_register = 0.0
         self._next_alive = 0.0
         self._register_backoff_s = 0.5
@@ -475,7 +475,9 @@ class NodeAgent:
             attempt.refresh()
             attempt.poll()
             if reachable and self._node_id is not None and self._delivery_due(attempt, now):
-                reachable = self._deliver(attempt, self._node_id)
+                reachable, drained = self._deliver(attempt, self._node_id)
+                if drained:
+                    self._drained_at[attempt.attempt_id] = now
             if attempt.done:
                 self._forget(attempt)
         self._ledger.write({aid: a.ledger_entries() for aid, a in self._attempts.items()})
@@ -495,15 +497,19 @@ class NodeAgent:
         return max(self._settings.report_interval_s, self._heartbeat_s)
 
     def _delivery_due(self, attempt: Attempt, now: float) -> bool:
-        """Whether ``attempt`` reports now: it has ended, or its paced time has come."""
-        due = self._next_delivery.get(attempt.attempt_id, 0.0)
-        if attempt.exit is None and now < due:
-            return False
-        self._next_delivery[attempt.attempt_id] = now + self._report_every_s()
-        return True
+        """Whether ``attempt`` reports now: it has ended, or a report interval (as paced
+        now) has passed since all it had was delivered. A delivery that failed or left
+        more to send is not drained: the next report tick tries again."""
+        drained_at = self._drained_at.get(attempt.attempt_id)
+        return (
+            attempt.exit is not None
+            or drained_at is None
+            or now - drained_at >= self._report_every_s()
+        )
 
-    def _deliver(self, attempt: Attempt, node_id: int) -> bool:
-        """Send what the attempt has to say; False if the controller could not be reached."""
+    def _deliver(self, attempt: Attempt, node_id: int) -> tuple[bool, bool]:
+        """Send what the attempt has to say: whether the controller could be reached, and
+        whether everything was delivered (``MAX_REPORTS_PER_TICK`` reports at most)."""
         ctx = f"job={attempt.assignment.job_id} attempt={attempt.attempt_id}"
         for _ in range(MAX_REPORTS_PER_TICK):
             pending = attempt.next_report(
@@ -512,7 +518,7 @@ class NodeAgent:
                 max_events=MAX_EVENTS_PER_REPORT,
             )
             if pending is None:
-                return True
+                return True, True
             try:
                 self._client.report(node_id, pending.report)
             except FencedError as exc:
@@ -525,26 +531,26 @@ class NodeAgent:
                 else:
                     logger.warning("%s fenced by the controller; stopping it", ctx)
                     attempt.fence()
-                return True
+                return True, False
             except UnknownNodeError:
                 logger.warning("%s node %s unknown; registering again", ctx, node_id)
                 self._node_id = None
                 self._next_register = 0.0
-                return True
+                return True, False
             except ControllerUnavailableError as exc:
                 logger.warning("%s report failed, will retry: %s", ctx, exc)
-                return False
+                return False, False
             except ControllerError as exc:
                 if exc.status_code is None or exc.status_code >= 500:
                     logger.warning("%s report failed, will retry: %s", ctx, exc)
-                    return True
+                    return True, False
                 logger.error("%s report rejected, dropping the batch: %s", ctx, exc)
             attempt.delivered(pending)
-        return True
+        return True, False
 
     def _forget(self, attempt: Attempt) -> None:
         del self._attempts[attempt.attempt_id]
-        self._next_delivery.pop(attempt.attempt_id, None)
+        self._drained_at.pop(attempt.attempt_id, None)
         self._finished.append(run_key(attempt.assignment))
 
     def _leave(self, node_id: int) -> None:

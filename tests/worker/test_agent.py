@@ -203,8 +203,8 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
 
 
 class NewsyAttempt:
-    """An attempt with something to report at every tick (no processes): each report is
-    one log line, the last one its exit once ``exit`` is set."""
+    """An attempt with something new to report at every report tick (no processes): each
+    report is one log line, the last one its exit once ``exit`` is set."""
 
     def __init__(self) -> None:
         self.attempt_id = 5
@@ -212,8 +212,10 @@ class NewsyAttempt:
         self.exit: AttemptExit | None = None
         self.done = False
         self.launcher_pid = None
+        self.unsent = 0  # lines not yet delivered
 
-    def refresh(self) -> None: ...
+    def refresh(self) -> None:
+        self.unsent += 1
 
     def poll(self) -> None: ...
 
@@ -226,21 +228,24 @@ class NewsyAttempt:
         return []
 
     def next_report(self, **_limits: object) -> SimpleNamespace | None:
-        if self.done:
+        if self.done or not self.unsent:
             return None
-        line = LogLine(time=datetime.now(UTC), stream="stdout", line="step")
-        report = AttemptReport(attempt_id=5, member_id=9, logs=[line], exit=self.exit)
+        lines = [LogLine(time=datetime.now(UTC), stream="stdout", line="step")] * self.unsent
+        report = AttemptReport(attempt_id=5, member_id=9, logs=lines, exit=self.exit)
         return SimpleNamespace(report=report)
 
     def delivered(self, pending: SimpleNamespace) -> None:
+        self.unsent -= len(pending.report.logs)
         self.done = pending.report.exit is not None
 
 
-def test_reports_follow_the_heartbeat_pace_and_an_exit_goes_at_once(tmp_path: Path) -> None:
-    """At the base interval an attempt reports every report interval (0.5 s); paced at
-    10 s, once per heartbeat interval; its exit is not held back by the pace."""
+def _newsy_agent(
+    tmp_path: Path,
+) -> tuple[NodeAgent, ScriptedClient, Clock, list[float], NewsyAttempt]:
+    """An agent running a ``NewsyAttempt``, told by each heartbeat reply the interval in
+    the returned list (registration's base one is 2 s)."""
     agent, client, clock = _agent(tmp_path)
-    told = [2.0]  # registration's base interval, then what each reply tells
+    told = [2.0]
 
     def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
         client.calls.append(f"heartbeat {node_id}")
@@ -249,22 +254,56 @@ def test_reports_follow_the_heartbeat_pace_and_an_exit_goes_at_once(tmp_path: Pa
     client.heartbeat = paced  # type: ignore[method-assign]
     attempt = NewsyAttempt()
     agent._attempts[attempt.attempt_id] = attempt  # type: ignore[assignment]
-
-    def reports_over(seconds: float) -> list[float]:
-        start, sent_at = clock.now, []
-        for tick in range(1, int(seconds * 20) + 1):
-            clock.now = start + tick / 20
-            before = client.calls.count("report")
-            agent.step()
-            if client.calls.count("report") > before:
-                sent_at.append(round(clock.now - start, 2))
-        return sent_at
-
     agent.step()  # registers
-    assert len(reports_over(10.0)) >= 19  # every 0.5 s
+    return agent, client, clock, told, attempt
+
+
+def _reports_over(
+    agent: NodeAgent, client: ScriptedClient, clock: Clock, seconds: float
+) -> list[float]:
+    """Step the agent every 50 ms for ``seconds``: when it sent a report, from the start."""
+    start, sent_at = clock.now, []
+    for tick in range(1, int(seconds * 20) + 1):
+        clock.now = start + tick / 20
+        before = client.calls.count("report")
+        agent.step()
+        if client.calls.count("report") > before:
+            sent_at.append(round(clock.now - start, 2))
+    return sent_at
+
+
+def test_reports_follow_the_heartbeat_pace_and_an_exit_goes_at_once(tmp_path: Path) -> None:
+    """At the base interval an attempt reports every report interval (0.5 s); paced at
+    10 s, once per heartbeat interval, everything since in one go; its exit is not held
+    back by the pace."""
+    agent, client, clock, told, attempt = _newsy_agent(tmp_path)
+    assert len(_reports_over(agent, client, clock, 10.0)) >= 19  # every 0.5 s
     told[0] = 10.0
-    reports_over(10.0)  # the next heartbeat tells the pace
-    assert len(reports_over(30.0)) == 3  # once per 10 s
+    _reports_over(agent, client, clock, 10.0)  # the next heartbeat tells the pace
+    sent = _reports_over(agent, client, clock, 30.0)
+    assert len(sent) == 3 and sent[1] - sent[0] == sent[2] - sent[1] == 10.0
+    clock.now += 0.5  # half a second after a paced report: the next is 9.5 s away
     attempt.exit = AttemptExit(outcome="succeeded", exit_code=0)
-    assert len(reports_over(0.5)) == 1  # at the next report tick, as at the base interval
-    assert attempt.done
+    assert len(_reports_over(agent, client, clock, 0.5)) == 1  # at the next report tick
+    assert attempt.done and attempt.unsent == 0
+
+
+def test_a_paced_report_that_failed_is_tried_again_at_the_next_tick(tmp_path: Path) -> None:
+    """Not a whole interval later: what it carried is no older for a failure."""
+    agent, client, clock, told, _ = _newsy_agent(tmp_path)
+    told[0] = 10.0
+    _reports_over(agent, client, clock, 12.0)  # paced from the second heartbeat on
+    sent = _reports_over(agent, client, clock, 10.0)
+    assert len(sent) == 1
+    failures = [ControllerUnavailableError("down")]
+
+    def failing_once(node_id: int, body: AttemptReport) -> ReportAccepted:
+        client.calls.append("report")
+        if failures:
+            raise failures.pop(0)
+        return ReportAccepted(accepted=True)
+
+    client.report = failing_once  # type: ignore[method-assign]
+    retried = _reports_over(agent, client, clock, 22.0)
+    assert retried[1] - retried[0] == 0.5  # the failure, then the next report tick
+    assert retried[2] - retried[1] == 10.0  # then at the pace again
