@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast lint postgres browser slurm bench bench-snapshots bench-status \
-	bench-control-plane bench-chaos clean
+	bench-control-plane bench-reconcile-pass bench-chaos clean
 
 install: $(VENV)/.installed
 
@@ -70,6 +70,9 @@ bench-status: install
 # The issue's size: 1,000 simulated nodes and 10,000 queued jobs on PostgreSQL, for 60 s.
 bench-control-plane: install postgres
 	$(PY) -m bench.control_plane --nodes 1000 --jobs 10000 --db postgresql --seconds 60
+
+bench-reconcile-pass: install postgres
+	$(PY) -m bench.reconcile_pass --nodes 1000 --jobs 10000 --db postgresql
 
 # Needs root (every node agent in a network namespace of its own).
 bench-chaos: install

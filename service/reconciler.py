@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
@@ -333,6 +333,27 @@ def _alive(now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta) ->
     )
 
 
+# What a job asks of the room it is placed in: its device as the spec says it, slots or
+# GPUs per node, the fewest nodes, and (where attempts on "cuda" share nodes only among
+# one owner's jobs) its owner.
+Ask = tuple[str, int, int, Owner]
+
+
+def job_ask(job: JobView, share_gpu_nodes: bool = False) -> Ask:
+    owner = None if share_gpu_nodes or job.spec.device == "cpu" else job.owner
+    return job.spec.device, job.spec.nproc_per_node, job.spec.min_nodes, owner
+
+
+def takes_any(room: Room, asks: Iterable[Ask], gpu_nodes: GpuNodes) -> bool:
+    """Whether ``room`` could take a job of any of ``asks``, as ``plan`` decides it (the
+    device resolved, then enough fitting nodes)."""
+    for wanted, per_node, min_nodes, owner in asks:
+        device = resolve_device(wanted, gpu_nodes.enough(min_nodes, per_node))
+        if len(room.fitting(device, per_node, owner)) >= min_nodes:
+            return True
+    return False
+
+
 def fleet_shape(
     now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta
 ) -> tuple[tuple[int, int], ...]:
@@ -646,6 +667,9 @@ class Reconciler:
         self._last_pass: datetime | None = None  # wall time of the loop's last pass
         self._specs: SpecCache = {}  # the open jobs' specs, read once each
         self._whole_read: WholeRead | None = None  # the last whole read of the queue
+        # What the PENDING jobs ask (at least): those of the last whole read, and of
+        # every job read since (``_with_queue``).
+        self._asks: set[Ask] = set()
 
     @property
     def is_leader(self) -> bool:
@@ -710,14 +734,17 @@ class Reconciler:
         The whole queue is read when it may hold a reason that is no longer right: on
         this controller's first pass of a term, when the nodes' shape (``fleet_shape``)
         changed since the last whole read, at least every ``WHOLE_READ_EVERY_S``, and
-        when the specs kept have grown well past the open jobs. Otherwise the queue is
-        read oldest first, a page at a time (``QUEUE_PAGE``, doubling), up to where the
-        jobs read fill every free node and GPU (``Room.is_full``: none after them could
-        be placed, and ``plan`` takes them oldest first); then the jobs that do not yet
-        say why they wait (new ones) are added, for ``plan`` to explain. Returns the
-        jobs and, for a whole read, what to remember of it once its pass is applied.
+        when the specs kept have grown well past the open jobs. Otherwise the jobs that
+        do not yet say why they wait (new ones) are read, for ``plan`` to explain, and
+        the queue is read oldest first, a page at a time (``QUEUE_PAGE``, doubling), up
+        to where the room the jobs read leave takes none of the asks (``job_ask``) of the
+        queue: those of the last whole read and of every job read since, a set that
+        holds every PENDING job's. No job after that point could be placed (``plan``
+        takes them oldest first, and a room only shrinks). Returns the jobs and, for a
+        whole read, what to remember of it once its pass is applied.
         """
         shape = fleet_shape(now, nodes, node_timeout)
+        share = self._settings.share_gpu_nodes_across_users
         last = self._whole_read
         if (
             last is None
@@ -728,10 +755,13 @@ class Reconciler:
         ):
             at = time.monotonic()
             queue = read_queue(session, self._specs)
+            self._asks = {job_ask(job, share) for job in queue}
             jobs = placed + queue
             _keep_specs(self._specs, jobs)
             return jobs, WholeRead(leadership.term, shape, at, len(jobs))
-        share = self._settings.share_gpu_nodes_across_users
+        new = read_queue(session, self._specs, unexplained=True)
+        self._asks.update(job_ask(job, share) for job in new)
+        gpu_nodes = GpuNodes(_alive(now, nodes, node_timeout))
         head: list[JobView] = []
         page = QUEUE_PAGE
         while True:
@@ -745,18 +775,18 @@ class Reconciler:
                 if not j.state.is_placeable() or (upto is not None and queue_key(j) <= upto)
             ]
             _, room = plan_with_room(now, nodes, before + head, node_timeout, share)
-            if room.is_full():
+            if room.is_full() or not takes_any(room, self._asks, gpu_nodes):
                 break
             read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
             if len(read) < page:  # the whole queue after all
+                self._asks = {job_ask(job, share) for job in head}
                 jobs = placed + head
                 _keep_specs(self._specs, jobs)
                 return jobs, WholeRead(leadership.term, shape, time.monotonic(), len(jobs))
             page *= 2
         seen = {job.id for job in head}
-        new = [j for j in read_queue(session, self._specs, unexplained=True) if j.id not in seen]
-        return placed + head + new, None
+        return placed + head + [j for j in new if j.id not in seen], None
 
     def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:
         """Apply each action in its own transaction, in order, except the ``ExplainWait``s:

@@ -177,3 +177,25 @@ def test_a_new_job_says_why_it_waits_without_a_whole_read(
         new[0]: FREE.format(n=1),
         new[1]: TOO_FEW_ALIVE.format(n=2),
     }
+
+
+def test_a_free_node_that_no_queued_job_fits_does_not_make_each_pass_read_the_queue(
+    api: Cluster, counted: Reconciler, small_pages: None
+) -> None:
+    """Node b stays free: every queued job needs two slots, which no node has. Once a
+    whole read has seen what the queue asks, a pass reads none of it."""
+    a, b = register(api, "a"), register(api, "b")
+    holder = submit(api, "1:1")
+    wide = [submit(api, "1:1", nproc_per_node=2) for _ in range(4)]
+    counted.run_once()  # whole: places the holder on a
+    assert job(api, holder)["state"] == "RUNNING"
+    counted.run_once()  # the holder's ask is gone only after the queue is read to its end
+    before = reads(counted)
+    for _ in range(3):
+        heartbeat(api, a)
+        heartbeat(api, b)
+        assert counted.run_once() == []
+    assert reads(counted) == {"whole": before["whole"], "head": before["head"] + 3}
+    assert set(pending_messages(api, wide).values()) == {
+        "waiting for nodes: needs 1 with 2 slots each, too few alive nodes have that many slots"
+    }

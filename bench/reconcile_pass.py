@@ -1,0 +1,194 @@
+"""One reconciler pass over a deep queue, in-process: the head read against a whole read.
+
+A fresh database (PostgreSQL by default, or SQLite) and the real app without its
+background loops: ``--nodes`` nodes of one slot register, ``--jobs`` queued jobs of one
+node each are written straight into the jobs table (as a submit stores them), and a first
+pass places a job on every node. Then, with every node held and nothing to do, it times
+``--passes`` passes as the reconciler runs them now (the queue's head: no page read, as no
+node is free) and as many passes that read the queue whole (what every pass did before),
+interleaved; then a pass after each of ``--passes`` jobs finished (one node free: one job
+placed), both ways. No other load: this is what a pass costs the controller, not what it
+costs on a busy one (``bench.control_plane``).
+
+    python -m bench.reconcile_pass --nodes 1000 --jobs 10000 --db postgresql
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+from cryptography.fernet import Fernet
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import insert, select
+
+from bench.status_load import quantile
+from service.api.app import create_app
+from service.auth import create_user
+from service.db import transaction
+from service.models import Attempt, Job, Role
+from service.reconciler import PlaceJob, Reconciler
+from service.secrets import load_keyring, seal_spec
+from service.settings import ControllerSettings
+from service.spec import JobSpec, TaskSpec
+from service.states import AttemptState, JobState, MemberState
+
+console = Console()
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+ENROLMENT = "enrol-" + "b" * 32
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@contextmanager
+def database(kind: str, work: Path) -> Iterator[dict[str, str]]:
+    """Settings for a fresh database of ``kind``; a PostgreSQL one is dropped after."""
+    if kind == "sqlite":
+        yield {"database_url": f"sqlite:///{work / 'relaunch.db'}"}
+        return
+    name = f"relaunch_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield {
+            "database_url": f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}",
+            "secrets_keys": Fernet.generate_key().decode(),
+        }
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def timed(reconciler: Reconciler) -> tuple[float, list[object]]:
+    """One pass: its time in ms, and its actions."""
+    start = time.perf_counter()
+    actions: list[object] = list(reconciler.run_once())
+    return (time.perf_counter() - start) * 1000, actions
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--jobs", type=int, default=10000)
+    parser.add_argument("--passes", type=int, default=20)
+    parser.add_argument("--db", choices=["postgresql", "sqlite"], default="postgresql")
+    args = parser.parse_args(argv)
+    clock = lambda: T0  # noqa: E731  (nothing here waits: no node is ever silent)
+    with tempfile.TemporaryDirectory() as tmp, database(args.db, Path(tmp)) as db:
+        settings = ControllerSettings(
+            data_dir=Path(tmp) / "data",
+            enrolment_token=SecretStr(ENROLMENT),
+            **db,  # type: ignore[arg-type]
+        )
+        app = create_app(settings, clock=clock, run_background=False)
+        with TestClient(app) as api:
+            factory = app.state.session_factory
+            rows = _seed(api, settings, factory, args.nodes, args.jobs)
+            reconciler = Reconciler(factory, settings, clock)
+            first, _ = timed(reconciler)  # the first of a term: whole, places
+            head: list[float] = []
+            whole: list[float] = []
+            for _ in range(args.passes):
+                head.append(timed(reconciler)[0])
+                reconciler._whole_read = None  # the next pass reads the queue whole
+                whole.append(timed(reconciler)[0])
+            placing_head: list[float] = []
+            placing_whole: list[float] = []
+            running = _running(factory)
+            for i in range(args.passes):
+                placing = placing_head if i % 2 == 0 else placing_whole
+                _finish(factory, running.pop())
+                if placing is placing_whole:
+                    reconciler._whole_read = None
+                ms, actions = timed(reconciler)
+                assert [type(a) for a in actions] == [PlaceJob], actions
+                placing.append(ms)
+    table = Table(title=f"one reconciler pass: {args.nodes} nodes, {rows} queued jobs, {args.db}")
+    for column in ("pass", "reads of the queue", "p50 ms", "p99 ms", "passes"):
+        table.add_column(column)
+    table.add_row("first of a term: places a job on every node", "whole", f"{first:.0f}", "", "1")
+    for what, reads, values in (
+        ("nothing to do (every node held)", "head (no page)", head),
+        ("nothing to do (every node held)", "whole (as before)", whole),
+        ("one node freed: places one job", "head (one page)", placing_head),
+        ("one node freed: places one job", "whole (as before)", placing_whole),
+    ):
+        table.add_row(
+            what,
+            reads,
+            f"{statistics.median(values):.1f}",
+            f"{quantile(sorted(values), 0.99):.1f}",
+            str(len(values)),
+        )
+    console.print(table)
+    ratio = statistics.median(whole) / statistics.median(head)
+    console.print(
+        f"with nothing to do, a whole read's pass takes {ratio:.1f}x a head read's (medians)"
+    )
+
+
+def _seed(
+    api: TestClient, settings: ControllerSettings, factory: object, nodes: int, jobs: int
+) -> int:
+    for i in range(nodes):
+        r = api.post(
+            "/api/v1/nodes/register",
+            json={"name": f"n{i:05d}", "address": "127.0.0.1", "slots": 1, "pid": 1},
+            headers={"authorization": f"Bearer {ENROLMENT}"},
+        )
+        r.raise_for_status()
+    spec = JobSpec(name="q", task=TaskSpec(name="regression"), nnodes="1")
+    stored = seal_spec(load_keyring(settings), spec.model_dump(mode="json"))
+    with transaction(factory) as session:  # type: ignore[arg-type]
+        owner = create_user(session, "queue", Role.ADMIN, T0)[0]
+        session.execute(
+            insert(Job),
+            [
+                {
+                    "name": "q",
+                    "owner_id": owner.id,
+                    "spec": stored,
+                    "state": JobState.PENDING,
+                    "created_at": T0 + timedelta(microseconds=i),
+                    "updated_at": T0,
+                    "attempt_count": 0,
+                    "restart_count": 0,
+                    "membership_changes": 0,
+                    "message": "",
+                }
+                for i in range(jobs)
+            ],
+        )
+    return jobs
+
+
+def _running(factory: object) -> list[int]:
+    """The running attempts' ids."""
+    with transaction(factory) as session:  # type: ignore[arg-type]
+        stmt = select(Attempt.id).where(Attempt.state == AttemptState.RUNNING)
+        return list(session.scalars(stmt))
+
+
+def _finish(factory: object, attempt_id: int) -> None:
+    """The attempt succeeded and its members left, as their exit reports would have it:
+    its node is free."""
+    with transaction(factory) as session:  # type: ignore[arg-type]
+        attempt = session.get_one(Attempt, attempt_id)
+        for member in attempt.members:
+            member.state, member.left_at, member.exit_code = MemberState.LEFT, T0, 0
+        attempt.state, attempt.ended_at = AttemptState.SUCCEEDED, T0
+        attempt.job.state, attempt.job.finished_at = JobState.SUCCEEDED, T0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""The reconciler-pass bench runs end to end on a small queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import reconcile_pass
+
+
+def test_the_bench_times_both_reads_of_the_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    reconcile_pass.main(["--nodes", "3", "--jobs", "12", "--passes", "2", "--db", "sqlite"])
+    out = capsys.readouterr().out
+    for row in ("head (no page)", "whole (as before)", "head (one page)"):
+        assert row in out
+    assert "a whole read's pass takes" in out
