@@ -779,6 +779,9 @@ class Reconciler:
                 break
             read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
+            # A job submitted since the new ones were read may be among them: its ask
+            # counts from here on (read again, it no longer says nothing).
+            self._asks.update(job_ask(job, share) for job in read)
             if len(read) < page:  # the whole queue after all
                 self._asks = {job_ask(job, share) for job in head}
                 jobs = placed + head

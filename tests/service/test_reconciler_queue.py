@@ -199,3 +199,32 @@ def test_a_free_node_that_no_queued_job_fits_does_not_make_each_pass_read_the_qu
     assert set(pending_messages(api, wide).values()) == {
         "waiting for nodes: needs 1 with 2 slots each, too few alive nodes have that many slots"
     }
+
+
+def test_what_a_page_read_asks_is_kept(
+    api: Cluster, counted: Reconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job first read on a page, not as a new one (on PostgreSQL a submit may commit
+    between the two reads), still counts among what the queue asks: later passes read as
+    far as it when the room fits it. Here the read of the new jobs misses them all."""
+    monkeypatch.setattr(reconciler_module, "QUEUE_PAGE", 2)
+    a, b = register(api, "a"), register(api, "b")
+    holder = submit(api, "1:1")
+    counted.run_once()  # whole: the holder on a
+    assert job(api, holder)["state"] == "RUNNING"
+    first, wide = submit(api, "1:1"), submit(api, "1:1", nproc_per_node=2)
+    submit(api, "1:1")
+    real = reconciler_module.read_queue
+
+    def missing_new(*args: Any, unexplained: bool = False, **kwargs: Any) -> list[Any]:
+        return [] if unexplained else real(*args, **kwargs)
+
+    monkeypatch.setattr(reconciler_module, "read_queue", missing_new)
+    heartbeat(api, a)
+    heartbeat(api, b)
+    actions = counted.run_once()  # a head read: one page, the first job fills b
+    assert [(type(x).__name__, x.job_id) for x in actions if isinstance(x, PlaceJob)] == [
+        ("PlaceJob", first)
+    ]
+    assert job(api, wide)["message"] != ""  # read on the page, and explained there
+    assert ("auto", 2, 1, None) in {(d, n, m, None) for d, n, m, _ in counted._asks}
