@@ -280,9 +280,10 @@ class SimNode:
         exit: AttemptExit | None = None,
     ) -> bool:
         """Send one report; retried on 503 (a lost compare-and-set), ``_Fenced`` on 409.
-        As an agent paces them (``worker.agent``): above the base heartbeat interval a
-        run's events and lines are held and sent at most once per interval told, with
-        its next report or its exit, which is not held."""
+        Paced as an agent paces them (``worker.agent``), roughly: above the base heartbeat
+        interval a run's events and lines are held and sent at most once per interval
+        told, with its next report or its exit, which is not held. Unlike an agent it
+        does not send what it holds on a timer, nor retry a report that failed."""
         held_events, held_logs = self._held.setdefault(key, ([], []))
         held_events += events or []
         held_logs += logs or []

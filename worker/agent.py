@@ -39,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from types import FrameType
 
 from contract.protocol import (
@@ -77,6 +78,15 @@ _REMEMBERED_FINISHED = 4096
 _REGISTER_BACKOFF_MAX_S = 10.0
 ALIVE_EVERY_S = 1.0
 _DEFAULT_HEARTBEAT_S = 1.0
+
+
+class Delivery(Enum):
+    """How sending an attempt's reports went (``NodeAgent._deliver``)."""
+
+    DRAINED = "drained"  # everything it had was delivered
+    MORE = "more"  # delivered what one tick may, or stopped for another reason: more to say
+    FAILED = "failed"  # the controller answered with an error of its own (5xx)
+    UNREACHABLE = "unreachable"  # no answer: the other attempts do not try either
 
 
 @dataclass(frozen=True)
@@ -170,8 +180,10 @@ class NodeAgent:
         self._heartbeats_failed = 0
         self._next_heartbeat = 0.0
         self._next_report = 0.0
-        # When each attempt last had everything it had to say delivered (``_delivery_due``).
+        # When each attempt last had everything it had to say delivered, and when its
+        # last delivery failed and how many failed in a row (``_delivery_due``).
         self._drained_at: dict[int, float] = {}
+        self._failed: dict[int, tuple[float, int]] = {}
         self._next_register = 0.0
         self._next_alive = 0.0
         self._register_backoff_s = 0.5
@@ -475,9 +487,9 @@ class NodeAgent:
             attempt.refresh()
             attempt.poll()
             if reachable and self._node_id is not None and self._delivery_due(attempt, now):
-                reachable, drained = self._deliver(attempt, self._node_id)
-                if drained:
-                    self._drained_at[attempt.attempt_id] = now
+                delivery = self._deliver(attempt, self._node_id)
+                reachable = delivery is not Delivery.UNREACHABLE
+                self._note_delivery(attempt.attempt_id, delivery, now)
             if attempt.done:
                 self._forget(attempt)
         self._ledger.write({aid: a.ledger_entries() for aid, a in self._attempts.items()})
@@ -497,19 +509,32 @@ class NodeAgent:
         return max(self._settings.report_interval_s, self._heartbeat_s)
 
     def _delivery_due(self, attempt: Attempt, now: float) -> bool:
-        """Whether ``attempt`` reports now: it has ended, or a report interval (as paced
-        now) has passed since all it had was delivered. A delivery that failed or left
-        more to send is not drained: the next report tick tries again."""
+        """Whether ``attempt`` reports now: it has ended; or its last delivery failed and
+        the report interval has passed since, doubling with each failure in a row up to
+        the paced interval; or, else, a report interval (as paced now) has passed since
+        all it had was delivered. One that left more to send goes on at the next tick."""
+        every = self._report_every_s()
+        if attempt.exit is not None:
+            return True
+        failed = self._failed.get(attempt.attempt_id)
+        if failed is not None:
+            failed_at, failures = failed
+            base = self._settings.report_interval_s
+            return now - failed_at >= min(every, base * 2 ** min(failures - 1, 16))
         drained_at = self._drained_at.get(attempt.attempt_id)
-        return (
-            attempt.exit is not None
-            or drained_at is None
-            or now - drained_at >= self._report_every_s()
-        )
+        return drained_at is None or now - drained_at >= every
 
-    def _deliver(self, attempt: Attempt, node_id: int) -> tuple[bool, bool]:
-        """Send what the attempt has to say: whether the controller could be reached, and
-        whether everything was delivered (``MAX_REPORTS_PER_TICK`` reports at most)."""
+    def _note_delivery(self, attempt_id: int, delivery: Delivery, now: float) -> None:
+        if delivery is Delivery.DRAINED:
+            self._drained_at[attempt_id] = now
+        if delivery in (Delivery.FAILED, Delivery.UNREACHABLE):
+            _, failures = self._failed.get(attempt_id, (now, 0))
+            self._failed[attempt_id] = (now, failures + 1)
+        else:
+            self._failed.pop(attempt_id, None)
+
+    def _deliver(self, attempt: Attempt, node_id: int) -> Delivery:
+        """Send what the attempt has to say, ``MAX_REPORTS_PER_TICK`` reports at most."""
         ctx = f"job={attempt.assignment.job_id} attempt={attempt.attempt_id}"
         for _ in range(MAX_REPORTS_PER_TICK):
             pending = attempt.next_report(
@@ -518,7 +543,7 @@ class NodeAgent:
                 max_events=MAX_EVENTS_PER_REPORT,
             )
             if pending is None:
-                return True, True
+                return Delivery.DRAINED
             try:
                 self._client.report(node_id, pending.report)
             except FencedError as exc:
@@ -531,26 +556,27 @@ class NodeAgent:
                 else:
                     logger.warning("%s fenced by the controller; stopping it", ctx)
                     attempt.fence()
-                return True, False
+                return Delivery.MORE  # only its exit, if any, is left to say
             except UnknownNodeError:
                 logger.warning("%s node %s unknown; registering again", ctx, node_id)
                 self._node_id = None
                 self._next_register = 0.0
-                return True, False
+                return Delivery.MORE
             except ControllerUnavailableError as exc:
                 logger.warning("%s report failed, will retry: %s", ctx, exc)
-                return False, False
+                return Delivery.UNREACHABLE
             except ControllerError as exc:
                 if exc.status_code is None or exc.status_code >= 500:
                     logger.warning("%s report failed, will retry: %s", ctx, exc)
-                    return True, False
+                    return Delivery.FAILED
                 logger.error("%s report rejected, dropping the batch: %s", ctx, exc)
             attempt.delivered(pending)
-        return True, False
+        return Delivery.MORE
 
     def _forget(self, attempt: Attempt) -> None:
         del self._attempts[attempt.attempt_id]
         self._drained_at.pop(attempt.attempt_id, None)
+        self._failed.pop(attempt.attempt_id, None)
         self._finished.append(run_key(attempt.assignment))
 
     def _leave(self, node_id: int) -> None:

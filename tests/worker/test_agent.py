@@ -2,6 +2,7 @@
 
 import os
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -288,14 +289,15 @@ def test_reports_follow_the_heartbeat_pace_and_an_exit_goes_at_once(tmp_path: Pa
     assert attempt.done and attempt.unsent == 0
 
 
-def test_a_paced_report_that_failed_is_tried_again_at_the_next_tick(tmp_path: Path) -> None:
-    """Not a whole interval later: what it carried is no older for a failure."""
+def test_a_paced_report_that_failed_is_tried_again_sooner_backing_off(tmp_path: Path) -> None:
+    """Not a whole interval later (what it carried is no older for a failure): after the
+    report interval, then twice that and so on, up to the pace; then at the pace again."""
     agent, client, clock, told, _ = _newsy_agent(tmp_path)
     told[0] = 10.0
     _reports_over(agent, client, clock, 12.0)  # paced from the second heartbeat on
     sent = _reports_over(agent, client, clock, 10.0)
     assert len(sent) == 1
-    failures = [ControllerUnavailableError("down")]
+    failures = [ControllerUnavailableError("down")] * 3
 
     def failing_once(node_id: int, body: AttemptReport) -> ReportAccepted:
         client.calls.append("report")
@@ -304,6 +306,6 @@ def test_a_paced_report_that_failed_is_tried_again_at_the_next_tick(tmp_path: Pa
         return ReportAccepted(accepted=True)
 
     client.report = failing_once  # type: ignore[method-assign]
-    retried = _reports_over(agent, client, clock, 22.0)
-    assert retried[1] - retried[0] == 0.5  # the failure, then the next report tick
-    assert retried[2] - retried[1] == 10.0  # then at the pace again
+    retried = _reports_over(agent, client, clock, 26.0)
+    gaps = [round(later - earlier, 2) for earlier, later in pairwise(retried)]
+    assert gaps[:4] == [0.5, 1.0, 2.0, 10.0]  # three failures, delivered, then the pace

@@ -16,7 +16,7 @@ from contract.protocol import (
     ReportAccepted,
 )
 from tests.worker.helpers import unstarted_attempt
-from worker.agent import NodeAgent
+from worker.agent import Delivery, NodeAgent
 from worker.client import ControllerClient
 from worker.settings import AgentSettings
 
@@ -63,7 +63,7 @@ def test_invalid_event_lines_are_dropped_and_the_valid_ones_forwarded(
         + _line("progress", step=5, loss="NaN")
     )
     with caplog.at_level(logging.WARNING, logger="worker.outbox"):
-        assert agent._deliver(attempt, node_id=7)
+        assert agent._deliver(attempt, node_id=7) is Delivery.DRAINED
     events = [e for r in client.reports for e in r.events]
     assert [e.data for e in events] == [
         TrainingProgress(step=1, loss=0.5),
@@ -77,5 +77,5 @@ def test_invalid_event_lines_are_dropped_and_the_valid_ones_forwarded(
     # delivered once: the next pass has nothing to send, the bad lines are not read again
     caplog.clear()
     sent = len(client.reports)
-    assert agent._deliver(attempt, node_id=7)
+    assert agent._deliver(attempt, node_id=7) is Delivery.DRAINED
     assert len(client.reports) == sent and not caplog.records
