@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import Row, and_, or_, select
 from sqlalchemy.exc import MultipleResultsFound
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -463,26 +463,18 @@ def read_fleet(
         )
         for node_id, state, seen, slots, gpus, told_s in node_rows
     ]
-    _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
-    jobs: list[JobView] = []
-    for job_id, state, created_at, waiting_since, not_before, message, owner in rows:
-        attempt_id = attempt_of.get(job_id)
-        jobs.append(
-            JobView(
-                id=job_id,
-                state=state,
-                created_at=created_at,
-                spec=specs[job_id, created_at],
-                attempt_id=attempt_id,
-                members=tuple(members_of.get(attempt_id, ())) if attempt_id is not None else (),
-                waiting_since=waiting_since,
-                not_before=not_before,
-                message=message,
-                device=device_of.get(attempt_id, "cpu") if attempt_id is not None else "cpu",
-                member_gpus=tuple(gpus_of.get(attempt_id, ())) if attempt_id is not None else (),
-                owner=owner,
-            )
+    jobs = [
+        replace(
+            job,
+            attempt_id=attempt_id,
+            members=tuple(members_of.get(attempt_id, ())),
+            device=device_of.get(attempt_id, "cpu"),
+            member_gpus=tuple(gpus_of.get(attempt_id, ())),
         )
+        if (attempt_id := attempt_of.get(job.id)) is not None
+        else job
+        for job in _job_views(session, specs, rows)
+    ]
     return nodes, jobs
 
 
@@ -495,6 +487,9 @@ _JOB_COLUMNS = (
     Job.message,
     Job.owner_id,
 )
+
+# A row of ``_JOB_COLUMNS``.
+JobRow = Row[int, JobState, datetime, datetime | None, datetime | None, str, int | None]
 
 # Where a job stands in the queue: jobs are placed oldest first (``plan``).
 QueueKey = tuple[datetime, int]
@@ -526,7 +521,12 @@ def read_queue(
     stmt = stmt.order_by(Job.created_at, Job.id)
     if limit is not None:
         stmt = stmt.limit(limit)
-    rows = session.execute(stmt).all()
+    return _job_views(session, specs, session.execute(stmt).all())
+
+
+def _job_views(session: Session, specs: SpecCache, rows: Sequence[JobRow]) -> list[JobView]:
+    """The views of the jobs ``rows`` hold (``_JOB_COLUMNS``), their specs added to
+    ``specs`` where it lacks them; no attempt of theirs is in them."""
     _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
     return [
         JobView(
