@@ -516,13 +516,17 @@ class NodeAgent:
         every = self._report_every_s()
         if attempt.exit is not None:
             return True
+        # Report ticks come every report interval, each a little late or early against the
+        # last (a heartbeat sent in the same step delays the clock's read): half a tick
+        # of slack, so that an interval of one tick is every tick.
+        base = self._settings.report_interval_s
+        slack = base / 2
         failed = self._failed.get(attempt.attempt_id)
         if failed is not None:
             failed_at, failures = failed
-            base = self._settings.report_interval_s
-            return now - failed_at >= min(every, base * 2 ** min(failures - 1, 16))
+            return now - failed_at + slack >= min(every, base * 2 ** min(failures - 1, 16))
         drained_at = self._drained_at.get(attempt.attempt_id)
-        return drained_at is None or now - drained_at >= every
+        return drained_at is None or now - drained_at + slack >= every
 
     def _note_delivery(self, attempt_id: int, delivery: Delivery, now: float) -> None:
         if delivery is Delivery.DRAINED:

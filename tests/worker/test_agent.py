@@ -309,3 +309,20 @@ def test_a_paced_report_that_failed_is_tried_again_sooner_backing_off(tmp_path: 
     retried = _reports_over(agent, client, clock, 26.0)
     gaps = [round(later - earlier, 2) for earlier, later in pairwise(retried)]
     assert gaps[:4] == [0.5, 1.0, 2.0, 10.0]  # three failures, delivered, then the pace
+
+
+def test_a_report_tick_a_little_early_against_the_last_delivery_still_delivers(
+    tmp_path: Path,
+) -> None:
+    """The last delivery's time was read after a heartbeat of the same step, the next tick's
+    without one: a few ms short of the interval. At the base interval every tick reports;
+    at a pace, the tick nearest the interval does."""
+    agent, _, clock, told, attempt = _newsy_agent(tmp_path)
+    agent._drained_at[attempt.attempt_id] = clock.now
+    assert agent._delivery_due(attempt, clock.now + 0.5 - 0.01)  # type: ignore[arg-type]
+    assert not agent._delivery_due(attempt, clock.now + 0.2)  # type: ignore[arg-type]
+    told[0] = 10.0
+    _reports_over(agent, client=agent._client, clock=clock, seconds=3.0)  # type: ignore[arg-type]
+    agent._drained_at[attempt.attempt_id] = clock.now
+    assert agent._delivery_due(attempt, clock.now + 10.0 - 0.01)  # type: ignore[arg-type]
+    assert not agent._delivery_due(attempt, clock.now + 9.5)  # type: ignore[arg-type]
