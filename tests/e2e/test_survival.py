@@ -427,10 +427,12 @@ def test_a_worker_that_aborts_after_its_script_returned_has_finished(
     job = wait_terminal(client, job_id)
     assert job["state"] == "SUCCEEDED", job
     assert job["restart_count"] == 0
-    assert job["last_step"] == 40
     events = client.events(job_id)
     assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
     wait_members_finished(client, job_id)
+    # The job succeeds with the first node's exit; rank 0's last step may come with the
+    # other node's reports, which every member's exit has followed.
+    assert client.job(job_id)["last_step"] == 40
     wait_no_processes(cluster, job_id)
 
 
