@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session
 
-from contract.protocol import Assignment, Device, Entrypoint, RendezvousConfig
+from contract.protocol import Assignment, Entrypoint, RendezvousConfig
 from contract.tasks import TASKS, task_args
 from service import rendezvous
 from service.errors import StaleState
@@ -42,38 +42,6 @@ def running_attempt(session: Session, job_id: int) -> Attempt | None:
     return session.scalars(stmt).one_or_none()
 
 
-def create_attempt(
-    session: Session,
-    job: Job,
-    nodes: list[Node],
-    settings: ControllerSettings,
-    now: datetime,
-    device: Device = "cpu",
-    gpus: Sequence[Sequence[int]] = (),
-) -> Attempt:
-    """A RUNNING attempt of ``job`` on ``device``, with ``nodes`` as members; on "cuda",
-    ``gpus`` are the GPU indices each of them holds (in the same order)."""
-    if device == "cuda" and len(gpus) != len(nodes):
-        raise ValueError(f"an attempt on cuda needs GPUs for each of its {len(nodes)} nodes")
-    number = job.attempt_count + 1
-    attempt = Attempt(
-        job_id=job.id,
-        number=number,
-        rdzv_id=rdzv_id_for(job.id, number),
-        state=AttemptState.RUNNING,
-        started_count=0,
-        created_at=now,
-        result="",
-        device=device,
-    )
-    session.add(attempt)
-    job.attempt_count = number
-    session.flush()
-    for i, node in enumerate(nodes):
-        add_member(session, attempt, node, now, gpus[i] if device == "cuda" else ())
-    return attempt
-
-
 def add_member(
     session: Session, attempt: Attempt, node: Node, now: datetime, gpus: Sequence[int] = ()
 ) -> AttemptMember:
@@ -88,6 +56,24 @@ def add_member(
     session.add(member)
     session.flush()
     return member
+
+
+def active_holds() -> Select[int, int, str, list[int], int | None]:
+    """Every ACTIVE membership, as what it holds: its node, its attempt, the attempt's
+    device, the GPUs it holds, and the owner of its job. An attempt that SUCCEEDED keeps
+    its members ACTIVE until their launchers report, and until then they hold it."""
+    return (
+        select(
+            AttemptMember.node_id,
+            AttemptMember.attempt_id,
+            Attempt.device,
+            AttemptMember.gpus,
+            Job.owner_id,
+        )
+        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(AttemptMember.state == MemberState.ACTIVE)
+    )
 
 
 def active_members(session: Session, attempt_id: int) -> list[AttemptMember]:

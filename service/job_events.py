@@ -44,6 +44,18 @@ def add_event(
     logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
 
 
+def add_events(session: Session, events: Sequence[dict[str, Any]], now: datetime) -> None:
+    """Events of ``add_event``'s keys (``job_id``, ``kind``, ``message`` and optionally
+    ``attempt_id``, ``node_id``, ``data``), all at ``now``, inserted in one statement."""
+    if not events:
+        return
+    rows = [{"attempt_id": None, "node_id": None, "data": {}, **e, "time": now} for e in events]
+    session.execute(insert(JobEvent), rows)
+    for e in rows:
+        job_id, attempt_id, kind, message = e["job_id"], e["attempt_id"], e["kind"], e["message"]
+        logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
+
+
 def add_events_alike(
     session: Session, job_ids: Sequence[int], kind: str, message: str, now: datetime
 ) -> None:

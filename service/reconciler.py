@@ -3,7 +3,8 @@
 Level-triggered: every pass decides from what the database says now, so a
 restarted controller picks up where the last one stopped. ``plan`` is pure
 (time is a parameter); ``Reconciler.apply`` executes one action per
-transaction and re-checks its preconditions with compare-and-set, so an action
+transaction (placements a batch per transaction, ``service.placing``) and
+re-checks its preconditions under locks or with compare-and-set, so an action
 decided on stale data is skipped, never half-applied.
 """
 
@@ -12,21 +13,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 from sqlalchemy import Row, and_, or_, select
-from sqlalchemy.exc import MultipleResultsFound
+from sqlalchemy.exc import MultipleResultsFound, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import Device
 from service.attempts import (
+    active_holds,
     active_members,
     add_member,
     count_membership_change,
-    create_attempt,
     end_attempt,
 )
 from service.db import transaction
@@ -55,9 +57,10 @@ from service.placement import (
     resolve_device,
     stored_device,
 )
+from service.placing import PlaceJob, lock_room, place_jobs
 from service.settings import ControllerSettings
 from service.spec import JobSpec
-from service.states import AttemptState, JobState, MemberState, NodeState
+from service.states import AttemptState, JobState, NodeState
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +100,6 @@ class JobView:
 class MarkNodeLost:
     node_id: int
     seen_before: datetime
-
-
-@dataclass(frozen=True)
-class PlaceJob:
-    """A new attempt on ``node_ids``; on "cuda", each node's ``gpus`` (in the same order)."""
-
-    job_id: int
-    node_ids: tuple[int, ...]
-    device: Device = "cpu"
-    gpus: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -364,13 +357,6 @@ def fleet_shape(
     return tuple(sorted((n.slots, len(n.gpus)) for n in _alive(now, nodes, node_timeout)))
 
 
-def _gpus_text(gpus: Sequence[int]) -> str:
-    """`` (GPUs 0, 1)`` after a node's name in a timeline line; '' for none."""
-    if not gpus:
-        return ""
-    return f" (GPU{'s' if len(gpus) > 1 else ''} {', '.join(str(g) for g in gpus)})"
-
-
 # A parsed spec by the job's id and submit time (a spec never changes after submit).
 SpecCache = dict[tuple[int, datetime], JobSpec]
 
@@ -426,25 +412,11 @@ def read_fleet(
             raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
         attempt_of[job_id] = running_id
         device_of[running_id] = stored_device(device)
-    # Every ACTIVE member: an attempt that SUCCEEDED keeps its members ACTIVE until their
-    # launchers report, and until then they hold what they held.
-    members = (
-        select(
-            AttemptMember.attempt_id,
-            AttemptMember.node_id,
-            AttemptMember.gpus,
-            Attempt.device,
-            Job.owner_id,
-        )
-        .join(Attempt, Attempt.id == AttemptMember.attempt_id)
-        .join(Job, Job.id == Attempt.job_id)
-        .where(AttemptMember.state == MemberState.ACTIVE)
-        .order_by(AttemptMember.id)
-    )
+    members = active_holds().order_by(AttemptMember.id)
     members_of: dict[int, list[int]] = defaultdict(list)
     gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     ending: dict[int, list[Hold]] = defaultdict(list)
-    for member_of, node_id, gpus, device, held_by in session.execute(members):
+    for node_id, member_of, device, gpus, held_by in session.execute(members):
         if member_of in device_of:
             members_of[member_of].append(node_id)
             gpus_of[member_of].append(tuple(gpus or ()))
@@ -576,6 +548,27 @@ def stalled(last_pass: datetime | None, now: datetime, node_timeout: timedelta) 
     return last_pass is not None and now - last_pass > node_timeout / 2
 
 
+def rest_after(
+    took_s: float,
+    cpu_s: float,
+    max_share: float,
+    interval_s: float,
+    lease_s: float,
+    node_timeout_s: float,
+) -> float:
+    """How long the loop rests after a pass that took ``took_s`` (wall time), ``cpu_s`` of
+    it on a CPU (its thread's time, when it held the interpreter lock the API's threads
+    need): long enough that passes take at most ``max_share`` of the CPU time, but never so
+    long that more than a third of the lease would pass between this pass's renewal and
+    the next one's, nor that the next pass would count as ``stalled`` (half the node
+    timeout after this pass began, less an interval). A pass that waited on the database
+    rests no longer for it."""
+    wanted = cpu_s * (1 - max_share) / max_share
+    lease = lease_s / 3 - took_s
+    stall = node_timeout_s / 2 - interval_s - took_s
+    return max(0.0, min(wanted, lease, stall))
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -622,22 +615,30 @@ class _PhaseTimer:
 # least it reads the queue whole.
 QUEUE_PAGE = 256
 WHOLE_READ_EVERY_S = 300.0
+# How soon after a whole read a change of the nodes' shape makes a pass read the queue
+# whole again: while a fleet starts, every registration changes it.
+SHAPE_READ_EVERY_S = 10.0
+# The most placements applied in one transaction (``Reconciler._apply_all``): more take
+# fewer statements in all, and hold their nodes' locks, which heartbeats wait on, longer.
+PLACE_BATCH = 100
 
 
 @dataclass(frozen=True)
 class WholeRead:
     """A pass that read the whole queue and whose reasons were written: in which term of
-    the lease, for which ``fleet_shape``, when (``time.monotonic``), and how many open
-    jobs it found."""
+    the lease, for which ``fleet_shape``, when (``time.monotonic``, and the pass's time),
+    and how many open jobs it found."""
 
     term: int
     shape: tuple[tuple[int, int], ...]
     at: float
     open_jobs: int
+    now: datetime
 
 
 class Reconciler:
-    """Runs ``plan`` against the database every ``interval`` and applies the actions."""
+    """Runs ``plan`` against the database and applies the actions: every ``interval``, or
+    after a wake, and after each pass no sooner than its rest (``rest_after``)."""
 
     def __init__(
         self,
@@ -651,8 +652,11 @@ class Reconciler:
         self._settings = settings
         self._clock = clock
         self._stop = threading.Event()
-        # Set by ``wake``: the next pass begins at once instead of after the interval.
+        # Set by ``wake``: the next pass begins after the rest, not after the interval.
         self._woken = threading.Event()
+        # Set by ``wake(wait_s=)`` and ``stop``: ends even the rest after a pass (a caller
+        # holds an API thread until the next pass ends).
+        self._waited_on = threading.Event()
         # Passes of the loop begun and ended, for ``wake(wait_s=)``.
         self._passes = threading.Condition()
         self._begun = 0
@@ -670,6 +674,7 @@ class Reconciler:
         # What the PENDING jobs ask (at least): those of the last whole read, and of
         # every job read since (``_with_queue``).
         self._asks: set[Ask] = set()
+        self.place_batch = PLACE_BATCH
 
     @property
     def is_leader(self) -> bool:
@@ -733,7 +738,9 @@ class Reconciler:
 
         The whole queue is read when it may hold a reason that is no longer right: on
         this controller's first pass of a term, when the nodes' shape (``fleet_shape``)
-        changed since the last whole read, at least every ``WHOLE_READ_EVERY_S``, and
+        changed since the last whole read (no sooner than ``SHAPE_READ_EVERY_S`` after
+        it: a reason may lag the nodes that long, a placement never), at least every
+        ``WHOLE_READ_EVERY_S``, and
         when the specs kept have grown well past the open jobs. Otherwise the jobs that
         do not yet say why they wait (new ones) are read, for ``plan`` to explain, and
         the queue is read oldest first, a page at a time (``QUEUE_PAGE``, doubling), up
@@ -749,16 +756,13 @@ class Reconciler:
         if (
             last is None
             or last.term != leadership.term
-            or last.shape != shape
+            or (last.shape != shape and now - last.now >= timedelta(seconds=SHAPE_READ_EVERY_S))
             or time.monotonic() - last.at > WHOLE_READ_EVERY_S
             or len(self._specs) > 2 * last.open_jobs + QUEUE_PAGE
         ):
             at = time.monotonic()
             queue = read_queue(session, self._specs)
-            self._asks = {job_ask(job, share) for job in queue}
-            jobs = placed + queue
-            _keep_specs(self._specs, jobs)
-            return jobs, WholeRead(leadership.term, shape, at, len(jobs))
+            return self._read_whole(leadership, shape, at, now, placed, queue)
         new = read_queue(session, self._specs, unexplained=True)
         self._asks.update(job_ask(job, share) for job in new)
         gpu_nodes = GpuNodes(_alive(now, nodes, node_timeout))
@@ -783,29 +787,58 @@ class Reconciler:
             # counts from here on (read again, it no longer says nothing).
             self._asks.update(job_ask(job, share) for job in read)
             if len(read) < page:  # the whole queue after all
-                self._asks = {job_ask(job, share) for job in head}
-                jobs = placed + head
-                _keep_specs(self._specs, jobs)
-                return jobs, WholeRead(leadership.term, shape, time.monotonic(), len(jobs))
+                return self._read_whole(leadership, shape, time.monotonic(), now, placed, head)
             page *= 2
         seen = {job.id for job in head}
         return placed + head + [j for j in new if j.id not in seen], None
 
+    def _read_whole(
+        self,
+        leadership: Leadership,
+        shape: tuple[tuple[int, int], ...],
+        at: float,
+        now: datetime,
+        placed: list[JobView],
+        queue: list[JobView],
+    ) -> tuple[list[JobView], WholeRead]:
+        """What ``_with_queue`` returns once it has read the whole ``queue`` (begun at
+        ``at``): the asks and the specs kept become those of the open jobs."""
+        share = self._settings.share_gpu_nodes_across_users
+        self._asks = {job_ask(job, share) for job in queue}
+        jobs = placed + queue
+        _keep_specs(self._specs, jobs)
+        return jobs, WholeRead(leadership.term, shape, at, len(jobs), now)
+
     def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:
-        """Apply each action in its own transaction, in order, except the ``ExplainWait``s:
-        those are written last, together, in one (``explain_waiting_jobs``), so that the
-        reasons of a deep queue cost a few statements, not a few per job. A stale action
-        is skipped; once the lease is lost, nothing more is applied. A pass that runs
-        longer than half the lease extends it (``extend``)."""
+        """Apply the actions in order, each in a transaction of its own, except: each run of
+        ``PlaceJob``s is applied in batches of up to ``place_batch`` (``place_jobs``, a few
+        statements a batch), and the ``ExplainWait``s are written last, together, in one
+        (``explain_waiting_jobs``), so that neither a pass that places hundreds of jobs nor
+        the reasons of a deep queue cost a few statements per job. A stale action is
+        skipped; once the lease is lost, nothing more is applied. A pass that runs longer
+        than half the lease extends it (``extend``)."""
+        steps: list[Action | list[PlaceJob] | list[ExplainWait]] = []
+        for action in actions:
+            if isinstance(action, ExplainWait):
+                continue
+            last = steps[-1] if steps else None
+            if isinstance(action, PlaceJob):
+                if isinstance(last, list) and len(last) < self.place_batch:
+                    cast(list[PlaceJob], last).append(action)
+                else:
+                    steps.append([action])
+            else:
+                steps.append(action)
         explanations = [a for a in actions if isinstance(a, ExplainWait)]
-        steps: list[Action | list[ExplainWait]] = [
-            a for a in actions if not isinstance(a, ExplainWait)
-        ]
         if explanations:
             steps.append(explanations)
         # Half the lease before it runs out, the next step extends it as it acts.
         lease_s = self._settings.leader_lease_s
-        for step in steps:
+        share = self._settings.share_gpu_nodes_across_users
+        todo = deque(steps)
+        while todo:
+            step = todo.popleft()
+            skipped: dict[int, str] = {}
             try:
                 with transaction(self._factory) as session:
                     at = self._clock()
@@ -814,10 +847,12 @@ class Reconciler:
                         extended = None
                     else:
                         extended = extend(session, leadership, at, lease_s)
-                    if isinstance(step, list):
-                        self._explain(session, step, now)
-                    else:
+                    if not isinstance(step, list):
                         self.apply(session, step, now)
+                    elif isinstance(step[0], PlaceJob):
+                        skipped = place_jobs(session, cast(list[PlaceJob], step), now, share)
+                    else:
+                        self._explain(session, cast(list[ExplainWait], step), now)
                 if extended is not None:  # committed
                     leadership = self._leadership = extended
             except LeaseLost as exc:
@@ -826,6 +861,16 @@ class Reconciler:
                 break
             except StaleState as exc:
                 logger.info("skipped %s: %s", step, exc)
+            except SQLAlchemyError:
+                if not (isinstance(step, list) and isinstance(step[0], PlaceJob) and len(step) > 1):
+                    raise
+                # A deadlock, a lock timeout, a row no check foresaw: the batch is rolled
+                # back whole; its placements are tried again one a transaction, so that one
+                # bad placement does not hold back the others.
+                logger.exception("a batch of %d placements failed; one at a time", len(step))
+                todo.extendleft([a] for a in reversed(step))
+            for job_id, why in skipped.items():
+                logger.info("skipped placing job %s: %s", job_id, why)
 
     def _explain(self, session: Session, actions: list[ExplainWait], now: datetime) -> None:
         reasons = {a.job_id: (a.state, a.reason) for a in actions}
@@ -869,95 +914,11 @@ class Reconciler:
             job = get_job(session, action.job_id, for_update=True)
             explain_waiting(session, job, action.state, action.reason, now)
 
-    def _room_on(
-        self,
-        session: Session,
-        node_ids: Sequence[int],
-        device: Device,
-        gpus: Sequence[Sequence[int]],
-        owner: Owner,
-        joining: int | None = None,
-    ) -> list[Node]:
-        """The named nodes, locked, if every one is alive and still has the room the action
-        decided on: on "cpu", no active member of any attempt (one that ended holds the node
-        until its launcher reports); on "cuda", no member of an attempt on "cpu" nor of
-        ``joining`` (the attempt the nodes join, if any), none of a job another user than
-        ``owner`` owns (unless settings allow), and each node's ``gpus`` are its own and
-        held by no other member. ``StaleState`` if not."""
-        stmt = select(Node).where(Node.id.in_(node_ids)).with_for_update().order_by(Node.id)
-        nodes = list(session.scalars(stmt))
-        holders = session.execute(
-            select(
-                AttemptMember.node_id,
-                Attempt.id,
-                Attempt.device,
-                AttemptMember.gpus,
-                Job.owner_id,
-            )
-            .join(Attempt, Attempt.id == AttemptMember.attempt_id)
-            .join(Job, Job.id == Attempt.job_id)
-            .where(
-                AttemptMember.node_id.in_(node_ids),
-                AttemptMember.state == MemberState.ACTIVE,
-            )
-        ).all()
-        if len(nodes) != len(node_ids):
-            raise StaleState(f"nodes {list(node_ids)} are no longer all registered")
-        if any(n.state is not NodeState.ALIVE for n in nodes):
-            raise StaleState(f"nodes {list(node_ids)} are no longer all alive")
-        if device == "cpu":
-            if holders:
-                raise StaleState(f"nodes {list(node_ids)} are no longer free")
-            return nodes
-        wanted = dict(zip(node_ids, gpus, strict=True))
-        for node in nodes:
-            taking = wanted[node.id]
-            if len(set(taking)) != len(taking) or not set(taking) <= set(node.gpu_indices):
-                raise StaleState(f"node {node.id} has no GPUs {list(taking)} to give")
-        share = self._settings.share_gpu_nodes_across_users
-        for node_id, attempt_id, held_device, held_gpus, held_by in holders:
-            if held_device != "cuda" or attempt_id == joining:
-                raise StaleState(f"node {node_id} is no longer free for attempts on cuda")
-            if held_by != owner and not share:
-                raise StaleState(f"node {node_id} serves another user's job on cuda")
-            if set(wanted[node_id]) & set(held_gpus):
-                raise StaleState(f"GPUs {list(wanted[node_id])} of node {node_id} are taken")
-        return nodes
-
     def _place(self, session: Session, action: PlaceJob, now: datetime) -> None:
-        job = get_job(session, action.job_id, for_update=True)
-        if not job.state.is_placeable():
-            raise StaleState(f"job {job.id} is {job.state}, not waiting to be placed")
-        if job.not_before is not None and now < job.not_before:
-            raise StaleState(f"job {job.id} backs off until {job.not_before}")
-        nodes = self._room_on(session, action.node_ids, action.device, action.gpus, job.owner_id)
-        resumes = " and resumes from its newest snapshot" if job.attempt_count else ""
-        change_job_state(session, job, JobState.RUNNING, now, message="")
-        job.waiting_since = job.not_before = None
-        gpus = dict(zip(action.node_ids, action.gpus, strict=True)) if action.gpus else {}
-        attempt = create_attempt(
-            session,
-            job,
-            nodes,
-            self._settings,
-            now,
-            action.device,
-            [gpus.get(n.id, ()) for n in nodes],
-        )
-        where = ", ".join(n.name + _gpus_text(gpus.get(n.id, ())) for n in nodes)
-        data: dict[str, object] = {"nodes": [n.name for n in nodes]}
-        if action.device == "cuda":
-            data |= {"device": "cuda", "gpus": {n.name: list(gpus[n.id]) for n in nodes}}
-        add_event(
-            session,
-            job.id,
-            "placed",
-            f"attempt {attempt.number} placed on {where} "
-            f"(rendezvous id {attempt.rdzv_id}){resumes}",
-            now,
-            attempt_id=attempt.id,
-            data=data,
-        )
+        share = self._settings.share_gpu_nodes_across_users
+        skipped = place_jobs(session, [action], now, share)
+        if skipped:
+            raise StaleState(skipped[action.job_id])
 
     def _add_members(self, session: Session, action: AddMembers, now: datetime) -> None:
         job = get_job(session, action.job_id, for_update=True)
@@ -967,9 +928,9 @@ class Reconciler:
         device = stored_device(attempt.device)
         if (device == "cuda") != bool(action.gpus):
             raise StaleState(f"attempt {attempt.id} runs on {device}; the action assumed not")
-        nodes = self._room_on(
-            session, action.node_ids, device, action.gpus, job.owner_id, joining=attempt.id
-        )
+        room = lock_room(session, action.node_ids)
+        share = self._settings.share_gpu_nodes_across_users
+        nodes = room.check(action.node_ids, device, action.gpus, job.owner_id, share, attempt.id)
         if device == "cpu" and any(node.gpus for node in nodes):
             raise StaleState(f"attempt {attempt.id} on cpu grows only onto nodes without GPUs")
         gpus = dict(zip(action.node_ids, action.gpus, strict=True)) if action.gpus else {}
@@ -1044,16 +1005,20 @@ class Reconciler:
         self._thread.start()
 
     def wake(self, wait_s: float = 0.0) -> bool:
-        """Begin the next pass now (a job was submitted, a node registered): what it
-        would place waits for no interval. Safe from any thread; a pass under way runs to
-        its end first, and wakes that come during it make one more pass, not one each.
+        """Begin the next pass without waiting for the interval (a job was submitted, a
+        node registered), once the rest after the last pass (``rest_after``) has ended.
+        Safe from any thread; a pass under way runs to its end first, and wakes that come
+        during it make one more pass, not one each.
 
         With ``wait_s``, return once a pass begun after this call has ended (True), or
         after ``wait_s`` (False): a caller that committed before calling then knows the
-        pass saw its commit."""
+        pass saw its commit. Such a wake also ends the rest at once: the caller holds one
+        of the API's threads until then."""
         with self._passes:
             target = self._begun + 1
-        self._woken.set()
+            self._woken.set()
+            if wait_s > 0:
+                self._waited_on.set()
         if wait_s <= 0:
             return False
         with self._passes:
@@ -1066,6 +1031,7 @@ class Reconciler:
         """Stop the loop and hand the lease back, so a standby takes over at once."""
         self._stop.set()
         self._woken.set()
+        self._waited_on.set()
         with self._passes:
             self._passes.notify_all()
         if self._thread is not None:
@@ -1094,10 +1060,12 @@ class Reconciler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._woken.clear()
-            with self._passes:
+            with self._passes:  # as one with ``wake``'s reading of the target
+                self._woken.clear()
+                self._waited_on.clear()
                 self._begun += 1
             self.note_pass(utcnow())
+            started, cpu_started = time.monotonic(), time.thread_time()
             try:
                 self.run_once()
             except Exception:
@@ -1105,4 +1073,15 @@ class Reconciler:
             with self._passes:
                 self._ended += 1
                 self._passes.notify_all()
-            self._woken.wait(self._settings.reconcile_interval_s)
+            settings = self._settings
+            interval = settings.reconcile_interval_s
+            rest = rest_after(
+                time.monotonic() - started,
+                time.thread_time() - cpu_started,
+                settings.reconcile_max_share,
+                interval,
+                settings.leader_lease_s,
+                settings.node_timeout_s,
+            )
+            self._waited_on.wait(rest)
+            self._woken.wait(max(0.0, interval - rest))

@@ -95,6 +95,15 @@ class ControllerSettings(BaseSettings):
         "told a longer interval gets twice the difference on top",
     )
     reconcile_interval_s: float = Field(default=0.5, gt=0, le=60)
+    reconcile_max_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="The most of the CPU time reconciler passes take: after a pass the loop "
+        "rests long enough for that (within a third of the lease and a stall's margin), "
+        "and a submit's wake waits for the rest, a registration's does not; a pass and the "
+        "API share one interpreter lock",
+    )
     share_gpu_nodes_across_users: bool = Field(
         default=False,
         description="Let CUDA jobs of different users share a node (each on GPUs of its "

@@ -8,7 +8,7 @@ newer state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -69,3 +69,36 @@ def transition(
     for key, value in {"state": new, **values}.items():
         set_committed_value(row, key, value)
     return True
+
+
+def transition_all(
+    session: Session, rows: Sequence[Stateful], new: StrEnum, **values: Any
+) -> set[int]:
+    """``transition`` for many rows of one table at once: one statement per state they
+    were read in, whatever their number. ``values`` may be SQL expressions over the row
+    (``Job.attempt_count + 1``); in the rows written, the state and ``values`` are
+    expired, to be read again when next used. Returns the ids of the rows written."""
+    if not rows:
+        return set()
+    model = type(rows[0])
+    by_state: dict[StrEnum, list[Stateful]] = {}
+    for row in rows:
+        if type(row) is not model or type(new) is not type(row.state):
+            raise TypeError(f"{type(row).__name__} {row.id} cannot move to {new!r} with {model}")
+        check_transition(_TABLES[model], row.state, new)
+        by_state.setdefault(row.state, []).append(row)
+    written: set[int] = set()
+    for current, alike in by_state.items():
+        ids = [row.id for row in alike]
+        result = session.execute(
+            update(model)
+            .where(model.id.in_(ids), model.state == current)
+            .values(state=new, **values)
+            .returning(model.id)
+            .execution_options(synchronize_session=False)
+        )
+        written.update(result.scalars())
+    for row in rows:
+        if row.id in written:
+            session.expire(row, ["state", *values])
+    return written

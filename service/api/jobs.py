@@ -156,7 +156,7 @@ def submit(
     # A submit with the same key that commits first makes this one's try stale; the
     # next try finds that job.
     public, created = retry_on_stale(factory, work)
-    wake(0.0)  # placed by the next pass, now, not after the reconciler's interval
+    wake(0.0)  # placed by the next pass, after the reconciler's rest, not its interval
     if not created:
         response.status_code = status.HTTP_200_OK
     return public

@@ -10,6 +10,7 @@ import pytest
 from service.db import transaction
 from service.errors import StaleState
 from service.models import Role
+from service.placing import place_jobs
 from service.reconciler import AddMembers, PlaceJob, Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
@@ -366,3 +367,34 @@ def test_a_cpu_attempt_is_not_grown_onto_a_gpu_node_even_by_a_stale_action(
     with pytest.raises(StaleState), transaction(factory) as session:
         reconciler.apply(session, AddMembers(cpu, attempt["id"], (g,)), clock())
     assert heartbeat(api, a) and heartbeat(api, g) == []
+
+
+def test_a_batch_of_placements_checks_each_against_the_ones_before_it(
+    api: Cluster, clock: FakeClock
+) -> None:
+    """Placements applied together each count the GPUs and owners of those before them in
+    the batch: another user's job on the node, and a GPU given twice, are skipped."""
+    node_id = register_gpu_node(api, "g", 2)
+    mine, again, third = (submit(api, "1", device="cuda") for _ in range(3))
+    someone = api.add_user("someone", Role.USER)
+    theirs = submit_as(api, someone, device="cuda")
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with transaction(factory) as session:
+        skipped = place_jobs(
+            session,
+            [
+                PlaceJob(mine, (node_id,), "cuda", ((0,),)),
+                PlaceJob(theirs, (node_id,), "cuda", ((1,),)),
+                PlaceJob(again, (node_id,), "cuda", ((0,),)),
+                PlaceJob(third, (node_id,), "cuda", ((1,),)),
+            ],
+            clock(),
+            share_gpu_nodes=False,
+        )
+    assert skipped == {
+        theirs: f"node {node_id} serves another user's job on cuda",
+        again: f"GPUs [0] of node {node_id} are taken",
+    }
+    states = {j: job(api, j)["state"] for j in (mine, theirs, again, third)}
+    assert states == {mine: "RUNNING", theirs: "PENDING", again: "PENDING", third: "RUNNING"}
+    assert [m["gpus"] for m in job(api, third)["attempts"][0]["members"]] == [[1]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from service.reconciler import (
     AddMembers,
     ExplainWait,
@@ -14,6 +16,7 @@ from service.reconciler import (
     PlaceJob,
     WaitForNodes,
     plan,
+    rest_after,
     stalled,
 )
 from service.spec import JobSpec, TaskSpec
@@ -169,6 +172,24 @@ def test_a_late_pass_means_the_controller_stalled_not_its_nodes() -> None:
     assert not stalled(None, T0, TIMEOUT)
     assert not stalled(T0, T0 + timedelta(seconds=5), TIMEOUT)
     assert stalled(T0, T0 + timedelta(seconds=5.1), TIMEOUT)
+
+
+def test_the_loop_rests_so_that_passes_take_at_most_their_share_of_the_cpu() -> None:
+    """A quarter at most: a pass of 0.3 s on a CPU rests 0.9 s after it, one of 10 ms 30 ms
+    (less than the interval, so a wake still starts the next pass then), and time it spent
+    waiting (on the database) earns no rest; never so long that more than a third of the
+    lease passes between two renewals, or that the next pass would count as ``stalled``."""
+    assert rest_after(0.3, 0.3, 0.25, 0.5, 10.0, 10.0) == pytest.approx(0.9)
+    assert rest_after(0.01, 0.01, 0.25, 0.5, 10.0, 10.0) == pytest.approx(0.03)
+    assert rest_after(2.0, 0.1, 0.25, 0.5, 10.0, 10.0) == pytest.approx(0.3)
+    assert rest_after(0.3, 0.3, 1.0, 0.5, 10.0, 10.0) == 0.0
+    assert rest_after(1.5, 1.5, 0.25, 0.5, 6.0, 30.0) == pytest.approx(0.5)  # 6 / 3 - 1.5
+    assert rest_after(1.0, 1.0, 0.25, 0.5, 30.0, 10.0) == pytest.approx(3.0)  # 5 - 0.5 - 1
+    assert rest_after(4.8, 4.8, 0.25, 0.5, 30.0, 10.0) == 0.0
+    for took in (0.1, 1.0, 2.0, 3.0, 4.0):
+        rest = rest_after(took, took, 0.25, 0.5, 30.0, 10.0)
+        assert not stalled(T0, T0 + timedelta(seconds=took + rest + 0.5), TIMEOUT)
+        assert rest_after(took, took, 0.25, 0.5, 9.0, 60.0) <= max(0.0, 3.0 - took)
 
 
 def test_pending_jobs_get_free_nodes_before_running_jobs_grow() -> None:

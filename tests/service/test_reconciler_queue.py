@@ -228,3 +228,73 @@ def test_what_a_page_read_asks_is_kept(
     ]
     assert job(api, wide)["message"] != ""  # read on the page, and explained there
     assert ("auto", 2, 1, None) in {(d, n, m, None) for d, n, m, _ in counted._asks}
+
+
+def test_a_waiting_job_queued_before_the_unread_jobs_is_placed_as_a_whole_read_would(
+    api: Cluster,
+    counted: Reconciler,
+    settings: ControllerSettings,
+    clock: FakeClock,
+    small_pages: None,
+) -> None:
+    """A job that lost a node WAITs; it is older than a PENDING job that asks the same. When
+    a node is freed (no change of the nodes' shape: a head read), the waiting job is placed
+    first, as a whole read would place it, and the younger one keeps waiting."""
+    a, b = register(api, "a"), register(api, "b")
+    register(api, "c")
+    holder, waiting, younger = submit(api, "1:1"), submit(api, "2:2"), submit(api, "2:2")
+    counted.run_once()  # whole: the holder on a, the waiting job on b and c
+    assert [job(api, i)["state"] for i in (holder, waiting, younger)] == [
+        "RUNNING",
+        "RUNNING",
+        "PENDING",
+    ]
+    clock.advance(11)  # past the node timeout; c is silent
+    heartbeat(api, a)
+    heartbeat(api, b)
+    counted.run_once()  # c lost: a whole read; one node left of two, the job waits
+    assert job(api, waiting)["state"] == "WAITING"
+    finish(api, holder)  # a is free again: the nodes' shape is the same
+    heartbeat(api, a)
+    heartbeat(api, b)
+    expected = [x for x in whole_plan(api, settings, clock) if not isinstance(x, ExplainWait)]
+    assert expected == [PlaceJob(waiting, (a, b))]
+    before = reads(counted)
+    assert [x for x in counted.run_once() if not isinstance(x, ExplainWait)] == expected
+    assert reads(counted) == {"whole": before["whole"], "head": before["head"] + 1}
+    assert (job(api, waiting)["state"], job(api, younger)["state"]) == ("RUNNING", "PENDING")
+    shown = job(api, waiting)
+    assert (shown["attempt_count"], shown["message"]) == (2, "")
+    placed = api.get(f"/api/v1/jobs/{waiting}/events").json()["items"][-1]
+    assert (placed["kind"], placed["message"]) == (
+        "placed",
+        f"attempt 2 placed on a, b (rendezvous id relaunch-job{waiting}-attempt2) "
+        "and resumes from its newest snapshot",
+    )
+
+
+def test_a_new_node_makes_a_whole_read_no_sooner_than_shape_read_every_s_after_the_last(
+    api: Cluster, counted: Reconciler, clock: FakeClock, small_pages: None
+) -> None:
+    """While a fleet starts, every registration changes the nodes' shape; a pass still
+    places on a new node at once (the head read), and the reasons of the jobs past the
+    head are rewritten once ``SHAPE_READ_EVERY_S`` has passed since the last whole read."""
+    a = register(api, "a")
+    holder, wide, later = submit(api, "1:1"), submit(api, "3:3"), submit(api, "1:1")
+    for _ in range(4):
+        submit(api, "1:1")  # the queue goes on past the head
+    counted.run_once()  # whole: the holder on a
+    assert job(api, wide)["message"] == TOO_FEW_ALIVE.format(n=3)
+    before = reads(counted)
+    b = register(api, "b")
+    counted.run_once()
+    assert reads(counted) == {"whole": before["whole"], "head": before["head"] + 1}
+    assert [m["node_name"] for m in job(api, later)["attempts"][0]["members"]] == ["b"]
+    register(api, "c")
+    clock.advance(reconciler_module.SHAPE_READ_EVERY_S)
+    for node_id in (a, b):
+        heartbeat(api, node_id)
+    counted.run_once()
+    assert reads(counted)["whole"] == before["whole"] + 1
+    assert job(api, wide)["message"] == FREE.format(n=3)
+    assert job(api, holder)["state"] == "RUNNING"

@@ -73,3 +73,27 @@ def test_a_wake_that_waits_returns_once_a_pass_begun_after_it_has_ended(
 ) -> None:
     for _ in range(3):
         assert woken.wake(wait_s=30)
+
+
+def test_a_wake_that_waits_ends_the_rest_after_a_pass(
+    api: Cluster, settings: ControllerSettings, clock: FakeClock
+) -> None:
+    """The loop rests after each pass so that passes take at most their share of the time
+    (here 20 s, a third of the lease); a registration's wake, which holds an API thread
+    until its pass has ended, does not wait for that rest to end."""
+    resting = settings.model_copy(
+        update={
+            "reconcile_interval_s": 0.5,
+            "reconcile_max_share": 0.0001,
+            "leader_lease_s": 60.0,
+            "node_timeout_s": 60.0,
+        }
+    )
+    factory: sessionmaker[Session] = api.app.state.session_factory  # type: ignore[attr-defined]
+    reconciler = Reconciler(factory, resting, clock)
+    reconciler.start()
+    try:
+        for _ in range(3):
+            assert reconciler.wake(wait_s=10)
+    finally:
+        reconciler.stop()
