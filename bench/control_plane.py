@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing
 import re
 import secrets
@@ -155,8 +156,23 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             SimNode(f"sim-{i:05d}", fleet[i], token, options.training, rendezvous, stats)
             for i in range(options.nodes)
         ]
+        # Each node heartbeats from its registration on, as an agent does (a node silent
+        # until the whole fleet had registered was lost); the measurement starts once all
+        # have registered, and ends at ``until[0]``.
+        until = [math.inf]
+        serving: list[asyncio.Task[None]] = []
+
+        async def join(node: SimNode) -> None:
+            await node.register()
+            serving.append(asyncio.create_task(node.serve(lambda: until[0])))
+
         started = time.monotonic()
-        await _bounded(32, [node.register() for node in nodes])
+        try:
+            await _bounded(32, [join(node) for node in nodes])
+        except BaseException:
+            until[0] = 0.0  # the nodes that serve stop at their next heartbeat
+            await asyncio.gather(*serving, return_exceptions=True)
+            raise
         register_s = time.monotonic() - started
 
         controller = psutil.Process(cluster.procs["controller"].pid)
@@ -168,16 +184,17 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             before = await _scrape(http, metrics_token)
             cpu_before, my_cpu_before = _cpu(controller), _cpu(me)
             start = time.monotonic()
-            until = start + options.seconds
+            until[0] = start + options.seconds
+            stats.reset()
             rss: list[int] = []
             latest: list[tuple[float, Samples]] = []
             reads, *_ = await asyncio.gather(
                 asyncio.to_thread(
                     _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
                 ),
-                _watch_metrics(http, metrics_token, until, latest),
-                _sample_rss(controller, until, rss),
-                *(node.serve(until) for node in nodes),
+                _watch_metrics(http, metrics_token, until[0], latest),
+                _sample_rss(controller, until[0], rss),
+                *serving,
             )
             wall = time.monotonic() - start
             cpu, my_cpu = _cpu(controller) - cpu_before, _cpu(me) - my_cpu_before

@@ -7,8 +7,10 @@ pass places a job on every node. Then, with every node held and nothing to do, i
 ``--passes`` passes as the reconciler runs them now (the queue's head: no page read, as no
 node is free) and as many passes that read the queue whole (what every pass did before),
 interleaved; then a pass after each of ``--passes`` jobs finished (one node free: one job
-placed), both ways. No other load: this is what a pass costs the controller, not what it
-costs on a busy one (``bench.control_plane``).
+placed), both ways. Last, ``--reps`` times each way in turn, ``--free`` jobs finish and one
+pass places as many: its placements applied in batches (``PLACE_BATCH``, as now) or one
+per transaction (``place_batch = 1``, as before). No other load: this is what a pass costs
+the controller, not what it costs on a busy one (``bench.control_plane``).
 
     python -m bench.reconcile_pass --nodes 1000 --jobs 10000 --db postgresql
 """
@@ -38,7 +40,7 @@ from service.api.app import create_app
 from service.auth import create_user
 from service.db import transaction
 from service.models import Attempt, Job, Role
-from service.reconciler import PlaceJob, Reconciler
+from service.reconciler import PLACE_BATCH, PlaceJob, Reconciler
 from service.secrets import load_keyring, seal_spec
 from service.settings import ControllerSettings
 from service.spec import JobSpec, TaskSpec
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=10000)
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--db", choices=["postgresql", "sqlite"], default="postgresql")
+    parser.add_argument("--free", type=int, default=200, help="jobs placed by one pass")
+    parser.add_argument("--reps", type=int, default=3, help="such passes each way")
     args = parser.parse_args(argv)
     clock = lambda: T0  # noqa: E731  (nothing here waits: no node is ever silent)
     with tempfile.TemporaryDirectory() as tmp, database(args.db, Path(tmp)) as db:
@@ -113,6 +117,17 @@ def main(argv: list[str] | None = None) -> None:
                 ms, actions = timed(reconciler)
                 assert [type(a) for a in actions] == [PlaceJob], actions
                 placing.append(ms)
+            batched: list[float] = []
+            one_by_one: list[float] = []
+            for i in range(2 * args.reps):
+                many = batched if i % 2 == 0 else one_by_one
+                reconciler.place_batch = PLACE_BATCH if many is batched else 1
+                running = _running(factory)
+                for attempt_id in running[: args.free]:
+                    _finish(factory, attempt_id)
+                ms, actions = timed(reconciler)
+                assert [type(a) for a in actions] == [PlaceJob] * args.free, len(actions)
+                many.append(ms)
     table = Table(title=f"one reconciler pass: {args.nodes} nodes, {rows} queued jobs, {args.db}")
     for column in ("pass", "reads of the queue", "p50 ms", "p99 ms", "passes"):
         table.add_column(column)
@@ -130,7 +145,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{quantile(sorted(values), 0.99):.1f}",
             str(len(values)),
         )
+    for what, values in (
+        (f"{args.free} nodes freed: places {args.free} jobs, {PLACE_BATCH} a batch", batched),
+        (f"{args.free} nodes freed: places {args.free} jobs, one a transaction", one_by_one),
+    ):
+        table.add_row(
+            what,
+            "head",
+            f"{statistics.median(values):.1f}",
+            f"{max(values):.1f} (max)",
+            str(len(values)),
+        )
     console.print(table)
+    console.print(
+        f"placing {args.free} jobs, batches against one a transaction: "
+        f"{statistics.median(one_by_one) / statistics.median(batched):.1f}x faster (medians)"
+    )
     ratio = statistics.median(whole) / statistics.median(head)
     console.print(
         f"with nothing to do, a whole read's pass takes {ratio:.1f}x a head read's (medians)"

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -60,6 +61,12 @@ class Training:
     snapshot_bytes: int = 256 * 2**20
 
 
+# Registration waits longer than the agents' 5 s: while a thousand nodes start, an answer
+# can take longer, and a try whose answer came too late leaves its name held by a node no
+# one can heartbeat for until it is lost (409s). The fleet's start is not what is measured.
+REGISTER_TIMEOUT_S = 60.0
+
+
 @dataclass
 class FleetStats:
     """What the nodes saw, client side."""
@@ -78,6 +85,11 @@ class FleetStats:
 
     def error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
+
+    def reset(self) -> None:
+        """Forget everything seen so far: the measurement starts now."""
+        for name, value in vars(FleetStats()).items():
+            setattr(self, name, value)
 
 
 class Rendezvous:
@@ -122,8 +134,10 @@ class SimNode:
         self._finished: set[RunKey] = set()
         self._closing = False
 
-    async def register(self, tries: int = 10) -> None:
-        """Register, retrying a controller that does not answer (as an agent does)."""
+    async def register(self, tries: int = 40) -> None:
+        """Register, retrying a controller that does not answer, or that holds the name for
+        a live node (409: an earlier try whose answer came too late registered it; the
+        name is free again once that node is lost), as an agent does."""
         body = NodeRegister(name=self.name, address="127.0.0.1", slots=1, pid=0)
         for attempt in range(tries):
             try:
@@ -131,8 +145,10 @@ class SimNode:
                     f"{API}/nodes/register",
                     json=body.model_dump(mode="json"),
                     headers={"authorization": f"Bearer {self._enrolment_token}"},
+                    timeout=REGISTER_TIMEOUT_S,
                 )
-                if response.status_code < 500 or attempt == tries - 1:
+                retry = response.status_code >= 500 or response.status_code == 409
+                if not retry or attempt == tries - 1:
                     break
             except httpx.TransportError:
                 if attempt == tries - 1:
@@ -143,12 +159,13 @@ class SimNode:
         self._node_id, self._token = registered.node_id, registered.node_token
         self._interval_s = self._base_interval_s = registered.heartbeat_interval_s
 
-    async def serve(self, until: float) -> None:
-        """Heartbeat until ``until`` (``time.monotonic``), then drop every run without a
-        word, as a node that went away: the measurement ends there."""
+    async def serve(self, until: Callable[[], float]) -> None:
+        """Heartbeat until ``until()`` (``time.monotonic``; it may move while this runs),
+        then drop every run without a word, as a node that went away: the measurement ends
+        there."""
         await asyncio.sleep(random.uniform(0, self._interval_s))  # spread the fleet out
         try:
-            while time.monotonic() < until:
+            while time.monotonic() < until():
                 sent = time.monotonic()
                 await self._heartbeat()
                 await asyncio.sleep(max(0.0, sent + self._interval_s - time.monotonic()))
