@@ -9,6 +9,11 @@ takes the slow way, ``service.nodes.record_heartbeat`` after the usual checks.
 The answer lists the node's assignments (``answer``). One SELECT reads, for each of
 the node's ACTIVE memberships of RUNNING attempts, every stored value that its
 assignment depends on (``Membership``); the job's spec never changes after submit.
+A membership of an attempt that SUCCEEDED less than ``FINISHING_GRACE_S`` ago stays
+in the answer while the node still runs it: the job succeeds with its first node's
+success, and another node's launcher may still be on its way out (past torch's exit
+barrier, in its interpreter's teardown). Dropped from the answer, its agent would stop
+it, and its own success would read "stopped".
 An assignment is rendered (spec parsed, task arguments rendered, env decrypted) once
 per distinct ``Membership`` and kept in ``Answers``: a later heartbeat that reads the
 same values gets the same assignment without rendering it again. The key is what
@@ -31,10 +36,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ScalarSelect, bindparam, func, select, update
+from sqlalchemy import ScalarSelect, and_, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from contract.protocol import Assignment, Heartbeat
@@ -53,6 +58,9 @@ PACE_RECOUNT_S = 5.0
 # The longest interval a node is told, however large the fleet: what it is told
 # (a new assignment, a stop) never waits longer than this.
 HEARTBEAT_INTERVAL_MAX_S = 60.0
+# How long after its attempt SUCCEEDED a node that still runs its part is left to end
+# by itself before its agent is told to stop it (it holds its room until it reports).
+FINISHING_GRACE_S = 30.0
 
 
 def paced_interval(alive_nodes: int, base_s: float, per_s_max: float) -> float:
@@ -177,13 +185,20 @@ def answer(
     keyring: Keyring,
     answers: Answers,
     interval_s: float,
+    now: datetime,
 ) -> bytes:
     """The JSON of the ``HeartbeatReply``: every assignment of the node, rendered or taken
     from ``answers``, and the ``interval_s`` to wait before the next heartbeat. An
     assignment the node does not run yet carries a new worker token (``service.fence``):
     the node starts it with the token of the reply it acts on, and one it runs keeps the
-    token its workers hold."""
-    held = memberships(session, node_id)
+    token its workers hold. One of an attempt that SUCCEEDED within ``FINISHING_GRACE_S``
+    is listed only if the node runs it (it is never started again)."""
+    running = {r.attempt_id for r in body.running}
+    held = [
+        m
+        for m, finishing in memberships(session, node_id, now)
+        if not finishing or m.attempt_id in running
+    ]
     rendered: dict[Membership, Rendered] = {}
     for m in held:
         kept = answers.get(m)
@@ -199,7 +214,6 @@ def answer(
                 made = assignment_for(m, parse_stored_spec(stored), stored, settings, keyring)
                 rendered[m] = Rendered(made, made.model_dump_json().encode())
                 answers.put(m, rendered[m])
-    running = {r.attempt_id for r in body.running}
     parts = []
     for m in held:
         if m.attempt_id in running:
@@ -212,21 +226,26 @@ def answer(
     return b'{"assignments":[' + b",".join(parts) + pace
 
 
-def memberships(session: Session, node_id: int) -> list[Membership]:
-    """The node's ACTIVE memberships of RUNNING attempts as stored, by id: one SELECT."""
+def memberships(session: Session, node_id: int, now: datetime) -> list[tuple[Membership, bool]]:
+    """The node's ACTIVE memberships of RUNNING attempts as stored, and of attempts that
+    SUCCEEDED within ``FINISHING_GRACE_S`` (True beside those), by id: one SELECT."""
+    since = now - timedelta(seconds=FINISHING_GRACE_S)
     return [
-        Membership(
-            member_id=member_id,
-            attempt_id=attempt_id,
-            job_id=job_id,
-            attempt_number=number,
-            rdzv_id=rdzv_id,
-            device=device,
-            gpus=tuple(gpus or ()),
-            restart_count=restart_count,
-            generation=left,
-            active_members=active,
-            memberships=total,
+        (
+            Membership(
+                member_id=member_id,
+                attempt_id=attempt_id,
+                job_id=job_id,
+                attempt_number=number,
+                rdzv_id=rdzv_id,
+                device=device,
+                gpus=tuple(gpus or ()),
+                restart_count=restart_count,
+                generation=left,
+                active_members=active,
+                memberships=total,
+            ),
+            state is not AttemptState.RUNNING,
         )
         for (
             member_id,
@@ -240,7 +259,8 @@ def memberships(session: Session, node_id: int) -> list[Membership]:
             left,
             active,
             total,
-        ) in session.execute(_MEMBERSHIPS, {"node_id": node_id})
+            state,
+        ) in session.execute(_MEMBERSHIPS, {"node_id": node_id, "finishing_since": since})
     ]
 
 
@@ -283,13 +303,21 @@ _MEMBERSHIPS = (
         _members_of_attempt(MemberState.LEFT),
         _members_of_attempt(MemberState.ACTIVE),
         _members_of_attempt(None),
+        Attempt.state,
     )
     .join(Attempt, Attempt.id == AttemptMember.attempt_id)
     .join(Job, Job.id == Attempt.job_id)
     .where(
         AttemptMember.node_id == bindparam("node_id"),
         AttemptMember.state == MemberState.ACTIVE,
-        Attempt.state == AttemptState.RUNNING,
+        or_(
+            Attempt.state == AttemptState.RUNNING,
+            and_(
+                Attempt.state == AttemptState.SUCCEEDED,
+                Attempt.ended_at
+                >= bindparam("finishing_since", type_=Attempt.__table__.c.ended_at.type),
+            ),
+        ),
     )
     .order_by(AttemptMember.id)
 )

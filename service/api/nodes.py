@@ -104,13 +104,15 @@ def heartbeat(
     with transaction(factory) as session:
         if token is not None and heartbeats.record(session, node_id, token, body, now, interval_s):
             reply = heartbeats.answer(
-                session, node_id, body, settings, keyring, answers, interval_s
+                session, node_id, body, settings, keyring, answers, interval_s, now
             )
             return Response(reply, media_type="application/json")
     node = get_node(node_id, read_factory, credentials)
     with transaction(factory) as session:
         nodes.record_heartbeat(session, node.id, body, now, interval_s)
-        reply = heartbeats.answer(session, node.id, body, settings, keyring, answers, interval_s)
+        reply = heartbeats.answer(
+            session, node.id, body, settings, keyring, answers, interval_s, now
+        )
     return Response(reply, media_type="application/json")
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.heartbeats import FINISHING_GRACE_S
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
@@ -231,6 +232,45 @@ def test_reports_drive_the_job_to_success_through_a_restart(
     assert api.get(logs, params={"local_rank": 1}).json()["items"] == []
     assert api.get(logs, params={"node_id": b}).json()["items"] == []
     assert api.get(logs, params={"after_id": line["id"]}).json()["items"] == []
+
+
+def running_heartbeat(api: TestClient, node_id: int, *attempt_ids: int) -> list[dict[str, Any]]:
+    """The assignments a node that runs ``attempt_ids`` is told."""
+    body = {"running": [{"attempt_id": aid} for aid in attempt_ids]}
+    r = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json=body)
+    assert r.status_code == 200, r.text
+    assignments: list[dict[str, Any]] = r.json()["assignments"]
+    return assignments
+
+
+@pytest.mark.parametrize("late_s", [1.0, FINISHING_GRACE_S + 1])
+def test_a_node_still_ending_after_the_job_succeeded_is_left_to_finish_for_a_while(
+    api: TestClient, reconciler: Reconciler, clock: FakeClock, late_s: float
+) -> None:
+    """The job succeeds with a's success while b's launcher is still on its way out (past
+    torch's exit barrier, in its teardown). b keeps its assignment while it runs it, for
+    ``FINISHING_GRACE_S``, so that its agent does not stop it and its own success reads
+    FINISHED; later it is told to stop. A node that does not run it is never told to
+    start it again."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api)
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    assert [x["attempt_id"] for x in running_heartbeat(api, b, attempt_id)] == [attempt_id]
+    assert report(api, a, attempt_id, exit={"outcome": "succeeded", "exit_code": 0}).is_success
+    assert job(api, job_id)["state"] == "SUCCEEDED"
+    clock.advance(late_s)
+    told = running_heartbeat(api, b, attempt_id)
+    assert heartbeat(api, b) == []  # not running it: not to be started again
+    if late_s > FINISHING_GRACE_S:
+        assert told == []  # its agent stops it
+        return
+    [kept] = told
+    assert (kept["attempt_id"], kept["worker_token"]) == (attempt_id, None)
+    assert report(api, b, attempt_id, exit={"outcome": "succeeded", "exit_code": 0}).is_success
+    [attempt] = job(api, job_id)["attempts"]
+    assert [(m["state"], m["exit_code"]) for m in attempt["members"]] == [("FINISHED", 0)] * 2
+    assert running_heartbeat(api, b, attempt_id) == []
 
 
 def test_a_fatal_launcher_exit_fails_the_job(api: TestClient, reconciler: Reconciler) -> None:
