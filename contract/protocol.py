@@ -107,6 +107,15 @@ class NodeRegister(BaseModel):
         "needed to register under the name of a node that is ALIVE (an agent that "
         "restarted takes its place back)",
     )
+    registration_key: str | None = Field(
+        default=None,
+        min_length=32,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="A random key the agent sends with every try of one registration: a "
+        "retry whose first try was registered but whose answer was lost gets the node back "
+        "with a new token, instead of a 409 until the node is lost",
+    )
 
 
 class NodeRegistered(BaseModel):

@@ -269,6 +269,9 @@ class Node(Base):
     heartbeat_interval_s: Mapped[float | None] = mapped_column(Float)
     # sha256 of the token issued at the node's last registration; its agent's credential.
     token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
+    # sha256 of the key its last registration carried (``NodeRegister.registration_key``):
+    # a retry of that registration, whose answer was lost, takes the node back with it.
+    registration_key_hash: Mapped[str | None] = mapped_column(String(64))
     # What its agent said at its last registration: ``contract.protocol.GpuInfo`` dumps.
     gpus: Mapped[list[dict[str, Any]]] = mapped_column(
         JSON, default=list, server_default=_EMPTY_LIST

@@ -33,14 +33,23 @@ def register_node(
     still holds is over.
 
     The name of a node that is ALIVE is taken back only by whoever holds that
-    node's current token (its agent, restarted): an enrolment credential alone
-    would let anyone push a live node out of its attempts. ``Conflict`` otherwise.
-    A LOST or LEFT node's name is free to any admitted registration.
+    node's current token (its agent, restarted), or the registration key of the
+    registration that issued that token (the same agent, retrying a registration
+    whose answer it never got): an enrolment credential alone would let anyone push
+    a live node out of its attempts. ``Conflict`` otherwise. A LOST or LEFT node's
+    name is free to any admitted registration.
+
+    A retry by key keeps the node's memberships of running attempts: the agent never
+    got the token it needs to learn of them, so it has started none, and its first
+    heartbeat finds them.
     """
     node = session.scalars(
         select(Node).where(Node.name == body.name).with_for_update()
     ).one_or_none()
-    if node is not None and node.state is NodeState.ALIVE and not holds_token(node, body):
+    key_hash = None if body.registration_key is None else auth.token_hash(body.registration_key)
+    held = node is not None and holds_token(node, body)
+    retry = node is not None and not held and _same_key(node, key_hash)
+    if node is not None and node.state is NodeState.ALIVE and not held and not retry:
         raise Conflict(
             f"node {body.name} is alive; registering under its name needs its node token"
         )
@@ -54,6 +63,7 @@ def register_node(
             registered_at=now,
             last_heartbeat_at=now,
             heartbeat_interval_s=interval_s,
+            registration_key_hash=key_hash,
         )
         _take_inventory(node, body)
         session.add(node)
@@ -66,16 +76,24 @@ def register_node(
             len(node.gpus),
         )
         return node
-    for member in memberships(session, node.id):
-        drop_member(session, member, now, "its agent restarted")
+    if not (retry and node.state is NodeState.ALIVE):
+        for member in memberships(session, node.id):
+            drop_member(session, member, now, "its agent restarted")
     _release_finishing(session, node.id, now)
     if node.state is not NodeState.ALIVE and not transition(session, node, NodeState.ALIVE):
         raise StaleState(f"node {node.id} is no longer {node.state}")
     node.address, node.slots, node.pid = body.address, body.slots, body.pid
     node.registered_at, node.last_heartbeat_at = now, now
     node.heartbeat_interval_s = interval_s
+    node.registration_key_hash = key_hash
     _take_inventory(node, body)
-    logger.info("node=%s registered again name=%s gpus=%d", node.id, node.name, len(node.gpus))
+    logger.info(
+        "node=%s registered again name=%s gpus=%d%s",
+        node.id,
+        node.name,
+        len(node.gpus),
+        " (a retry whose answer was lost)" if retry else "",
+    )
     return node
 
 
@@ -85,6 +103,13 @@ def _take_inventory(node: Node, body: NodeRegister) -> None:
     node.gpus = [g.model_dump() for g in sorted(body.gpus, key=lambda g: g.index)]
     node.gpu_usage = []
     node.gpu_driver, node.cuda_version, node.cpus = body.gpu_driver, body.cuda_version, body.cpus
+
+
+def _same_key(node: Node, key_hash: str | None) -> bool:
+    """Whether ``key_hash`` is that of the key of the registration that issued the
+    node's current token."""
+    kept = node.registration_key_hash
+    return key_hash is not None and kept is not None and hmac.compare_digest(key_hash, kept)
 
 
 def holds_token(node: Node, body: NodeRegister) -> bool:

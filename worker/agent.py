@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -192,6 +193,9 @@ class NodeAgent:
         # A new agent waits for its spares before it registers; one the controller forgot
         # (it answered 404) registers again at once.
         self._registered_once = False
+        # Sent with every registration of this agent's life: a try whose answer was lost
+        # (registered, but the token never arrived) is taken back by the next try.
+        self._registration_key = secrets.token_urlsafe(32)
         self._next_spare = 0.0
 
     @property
@@ -340,6 +344,7 @@ class NodeAgent:
             slots=self._settings.slots,
             pid=os.getpid(),
             node_token=node_token.load(self._token_file),
+            registration_key=self._registration_key,
             gpus=list(self._inventory.gpus),
             gpu_driver=self._inventory.driver,
             cuda_version=self._inventory.cuda_version,

@@ -24,9 +24,20 @@ TOKENS = "/api/v1/enrolment-tokens"
 
 
 def register_as(
-    client: TestClient, credential: str, name: str, node_token: str | None = None
+    client: TestClient,
+    credential: str,
+    name: str,
+    node_token: str | None = None,
+    key: str | None = None,
 ) -> httpx.Response:
-    body = {"name": name, "address": "10.0.0.9", "slots": 1, "pid": 1, "node_token": node_token}
+    body = {
+        "name": name,
+        "address": "10.0.0.9",
+        "slots": 1,
+        "pid": 1,
+        "node_token": node_token,
+        "registration_key": key,
+    }
     return client.post(REGISTER, json=body, headers=bearer(credential))
 
 
@@ -73,6 +84,56 @@ def test_the_name_of_an_alive_node_needs_its_node_token(
         ).status_code
         == 401
     )
+
+
+KEY = "k" * 43
+OTHER_KEY = "o" * 43
+
+
+def test_a_retried_registration_whose_answer_was_lost_gets_its_node_back(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    """The first try registered the node and a pass placed a job on it, but its answer
+    (the node token) never reached the agent. The next try, with the same registration
+    key and no token, takes the node back with a new token and keeps the placement (the
+    agent cannot have started it); a try with another key, or none, is a stranger."""
+    shared = api.app.state.settings.enrolment_token.get_secret_value()  # type: ignore[attr-defined]
+    lost = register_as(api, shared, "a", key=KEY)
+    assert lost.status_code == 200, lost.text
+    node_id, lost_token = lost.json()["node_id"], lost.json()["node_token"]
+    job_id = submit(api, "1:1")
+    reconciler.run_once()
+    [attempt] = job(api, job_id)["attempts"]
+    for key in (None, OTHER_KEY):
+        r = register_as(api, shared, "a", key=key)
+        assert r.status_code == 409, (key, r.text)
+    retried = register_as(api, shared, "a", key=KEY)
+    assert retried.status_code == 200, retried.text
+    token = retried.json()["node_token"]
+    assert retried.json()["node_id"] == node_id and token != lost_token
+    beat = {"running": []}
+    path = f"/api/v1/nodes/{node_id}/heartbeat"
+    assert api.post(path, json=beat, headers=bearer(lost_token)).status_code == 401
+    r = api.post(path, json=beat, headers=bearer(token))
+    assert r.status_code == 200, r.text
+    [assignment] = r.json()["assignments"]
+    assert assignment["attempt_id"] == attempt["id"]
+    assert job(api, job_id)["membership_changes"] == 0
+    assert [m["state"] for m in job(api, job_id)["attempts"][0]["members"]] == ["ACTIVE"]
+    # The key is that of the registration that issued the current token: a restarted
+    # agent (a new key, its kept token) takes the node back, and the old key is spent.
+    restarted = register_as(api, shared, "a", token, key=OTHER_KEY)
+    assert restarted.status_code == 200, restarted.text
+    assert register_as(api, shared, "a", key=KEY).status_code == 409
+
+
+def test_a_registration_key_is_checked(api: Cluster) -> None:
+    shared = api.app.state.settings.enrolment_token.get_secret_value()  # type: ignore[attr-defined]
+    for bad in ("short", "k" * 129, "k" * 42 + "!"):
+        r = register_as(api, shared, "a", key=bad)
+        assert r.status_code == 422, (bad, r.text)
+        assert "registration_key" in r.text
+    assert api.get("/api/v1/nodes").json()["items"] == []
 
 
 def test_the_name_of_a_node_that_left_or_was_lost_is_free_to_an_admitted_agent(

@@ -1,13 +1,19 @@
 """An agent keeps its node token, and with it takes its name back after a crash; an agent
-that has not got it cannot take the name of a node that is alive (a real controller and
-real agent processes)."""
+that has not got it cannot take the name of a node that is alive, unless it retries the
+registration whose answer it lost (a real controller and real agent processes)."""
 
 from __future__ import annotations
 
 import signal
 import stat
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from service.local_cluster import LocalCluster, free_port
 from tests.helpers import wait_for
@@ -71,3 +77,74 @@ def test_the_saved_token_is_private_and_replaced_whole(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [node_token.FILE_NAME]
     path.write_text("not\na token\x00")
     assert node_token.load(path) is None
+
+
+@contextmanager
+def answer_lost_once(upstream: str) -> Iterator[tuple[str, list[str]]]:
+    """A proxy in front of ``upstream`` that passes every request on, but hangs up without
+    an answer on the first registration once the controller has handled it: a registration
+    whose answer the network lost. Yields its URL and what it did, request by request."""
+    did: list[str] = []
+    client = httpx.Client(base_url=upstream, timeout=30.0)
+
+    class Forward(BaseHTTPRequestHandler):
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+            reply = client.request(self.command, self.path, content=body, headers=headers)
+            if self.path.endswith("/nodes/register") and not any("lost" in d for d in did):
+                did.append(f"{self.command} {self.path} {reply.status_code}: answer lost")
+                self.close_connection = True
+                return
+            did.append(f"{self.command} {self.path} {reply.status_code}")
+            self.send_response(reply.status_code)
+            for name in ("content-type", "retry-after", "etag"):
+                if name in reply.headers:
+                    self.send_header(name, reply.headers[name])
+            self.send_header("content-length", str(len(reply.content)))
+            self.end_headers()
+            self.wfile.write(reply.content)
+
+        do_GET = do_POST = do_PUT = do_DELETE = _forward
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", did
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+        client.close()
+
+
+def test_an_agent_whose_registration_answer_was_lost_gets_its_node_back(tmp_path: Path) -> None:
+    """The controller registered the node, but the answer, with the node token, never
+    reached the agent. Its next try carries the same registration key and takes the node
+    back at once; without the key, the name would be refused (409) until the node was
+    lost, here 600 s."""
+    cluster = LocalCluster(data_dir=tmp_path, port=free_port())
+    try:
+        cluster.start_controller({"RELAUNCH_NODE_TIMEOUT_S": "600"})
+        with answer_lost_once(cluster.url) as (url, did):
+            cluster.start_agent("n1", controller=url)
+            wait_for(
+                "the agent's heartbeats through the proxy after a lost answer",
+                lambda: any("lost" in d for d in did) and any("/heartbeat 200" in d for d in did),
+                timeout_s=60,
+            )
+            registrations = [d for d in did if d.startswith("POST /api/v1/nodes/register")]
+            assert registrations[:2] == [
+                "POST /api/v1/nodes/register 200: answer lost",
+                "POST /api/v1/nodes/register 200",
+            ], did
+            assert _node(cluster, "n1")["state"] == "ALIVE"
+            saved = node_token.token_file(cluster.agent_dir("n1"))
+            assert saved.read_text().startswith("rln_")
+        assert "needs its node token" not in (tmp_path / "n1.log").read_text()
+    finally:
+        cluster.stop_all()
