@@ -51,7 +51,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from bench.sim_nodes import FleetStats, Rendezvous, SimNode, Training
+from bench.sim_nodes import (
+    REGISTER_TIMEOUT_S,
+    FleetStats,
+    Registrations,
+    Rendezvous,
+    SimNode,
+    Training,
+)
 from bench.status_load import quantile
 from service.local_cluster import LocalCluster, free_port
 
@@ -79,6 +86,10 @@ class Options:
     work_dir: Path | None = None  # kept, with the controller's log; default: a temporary one
     # RELAUNCH_HEARTBEATS_PER_S_MAX of the controller; None: its default.
     heartbeats_per_s_max: float | None = None
+    # What a node's registration waits for its answer, and whether its tries carry a
+    # registration key (as agents' do).
+    register_timeout_s: float = REGISTER_TIMEOUT_S
+    registration_key: bool = True
 
 
 @dataclass(frozen=True)
@@ -162,8 +173,14 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         until = [math.inf]
         serving: list[asyncio.Task[None]] = []
 
+        registrations = Registrations()
+
         async def join(node: SimNode) -> None:
-            await node.register()
+            await node.register(
+                timeout_s=options.register_timeout_s,
+                with_key=options.registration_key,
+                counts=registrations,
+            )
             serving.append(asyncio.create_task(node.serve(lambda: until[0])))
 
         started = time.monotonic()
@@ -211,6 +228,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
     result["reconcile"]["measured_over_s"] = metrics_s
+    result["setup"]["registrations"] = vars(registrations)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     return result
 
@@ -456,6 +474,8 @@ def _result(
             "submit_s": submit_s,
             "submits_per_s": options.jobs / submit_s if submit_s else float("nan"),
             "register_s": register_s,
+            "register_timeout_s": options.register_timeout_s,
+            "registration_key": options.registration_key,
         },
         "reconcile": {
             "passes": passes_n,
@@ -586,6 +606,13 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
         f"{result['setup']['register_s']:.1f} s"
     )
+    regs, setup = result["setup"]["registrations"], result["setup"]
+    console.print(
+        f"registrations (each try waits {setup['register_timeout_s']:g} s, registration key "
+        f"{'sent' if setup['registration_key'] else 'not sent'}): {regs['tries']} tries, "
+        f"{regs['timed_out']} unanswered, {regs['refused']} refused (409), "
+        f"{regs['after_timeout']} nodes registered after a try of theirs went unanswered"
+    )
     if result["errors"]:
         console.print(f"errors: {result['errors']}")
     t = result["targets"]
@@ -624,6 +651,17 @@ def main(argv: list[str] | None = None) -> None:
         "--heartbeats-per-s-max", type=float, help="the controller's heartbeat budget (its pace)"
     )
     parser.add_argument(
+        "--register-timeout-s",
+        type=float,
+        default=REGISTER_TIMEOUT_S,
+        help=f"what a registration waits for its answer (agents: {AGENT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--baseline-no-registration-key",
+        action="store_true",
+        help="first run the same load with registrations that carry no registration key",
+    )
+    parser.add_argument(
         "--baseline-fixed-interval",
         action="store_true",
         help="first run the same load with every node told the base interval (no pace)",
@@ -639,7 +677,19 @@ def main(argv: list[str] | None = None) -> None:
         pg_admin_url=args.pg_admin_url,
         work_dir=args.work_dir,
         heartbeats_per_s_max=args.heartbeats_per_s_max,
+        register_timeout_s=args.register_timeout_s,
     )
+    if args.baseline_no_registration_key:
+        keys = {
+            "no registration key": run(replace(options, registration_key=False)),
+            "registration key": run(options),
+        }
+        for result in keys.values():
+            print_table(result)
+        print_registrations(keys)
+        if args.json is not None:
+            args.json.write_text(json.dumps(_finite(keys), indent=2) + "\n")
+        return
     if not args.baseline_fixed_interval:
         result = run(options)
         print_table(result)
@@ -655,6 +705,27 @@ def main(argv: list[str] | None = None) -> None:
     print_side_by_side(runs)
     if args.json is not None:
         args.json.write_text(json.dumps(_finite(runs), indent=2) + "\n")
+
+
+def print_registrations(runs: dict[str, dict[str, Any]]) -> None:
+    """How the fleet's start went, one column per run."""
+    table = Table(title="the fleet's registrations: the same load, back to back")
+    table.add_column("figure", justify="left")
+    for name in runs:
+        table.add_column(name, justify="right")
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("every node registered in", lambda r: f"{r['setup']['register_s']:.1f} s"),
+        ("tries", lambda r: f"{r['setup']['registrations']['tries']}"),
+        ("tries unanswered", lambda r: f"{r['setup']['registrations']['timed_out']}"),
+        ("tries refused (409)", lambda r: f"{r['setup']['registrations']['refused']}"),
+        ("nodes registered after an unanswered try",
+         lambda r: f"{r['setup']['registrations']['after_timeout']}"),
+        ("heartbeat p50 / p99, nodes' side (ms)",
+         lambda r: f"{r['heartbeat']['p50_ms']:.1f} / {r['heartbeat']['p99_ms']:.1f}"),
+    ]  # fmt: skip
+    for label, cell in rows:
+        table.add_row(label, *(cell(r) for r in runs.values()))
+    Console().print(table)
 
 
 def _pair(figures: dict[str, Any], prefix: str = "") -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,10 +62,21 @@ class Training:
     snapshot_bytes: int = 256 * 2**20
 
 
-# Registration waits longer than the agents' 5 s: while a thousand nodes start, an answer
-# can take longer, and a try whose answer came too late leaves its name held by a node no
-# one can heartbeat for until it is lost (409s). The fleet's start is not what is measured.
+# What a registration waits for its answer by default: longer than the agents' 5 s, since
+# the fleet's start is not what the control-plane bench measures. A try whose answer comes
+# too late has registered the node all the same; the next try takes it back with the same
+# registration key (without one: 409s until that node is lost).
 REGISTER_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Registrations:
+    """How a fleet's registrations went, client side."""
+
+    tries: int = 0
+    refused: int = 0  # 409: the name is an ALIVE node's that this try could not take back
+    timed_out: int = 0  # no answer: the try timed out, or its connection failed
+    after_timeout: int = 0  # registered after a try of the same registration got no answer
 
 
 @dataclass
@@ -134,27 +146,44 @@ class SimNode:
         self._finished: set[RunKey] = set()
         self._closing = False
 
-    async def register(self, tries: int = 40) -> None:
+    async def register(
+        self,
+        tries: int = 120,
+        timeout_s: float = REGISTER_TIMEOUT_S,
+        with_key: bool = True,
+        counts: Registrations | None = None,
+    ) -> None:
         """Register, retrying a controller that does not answer, or that holds the name for
-        a live node (409: an earlier try whose answer came too late registered it; the
-        name is free again once that node is lost), as an agent does."""
-        body = NodeRegister(name=self.name, address="127.0.0.1", slots=1, pid=0)
+        a live node (409), as an agent does. Every try carries the same registration key
+        (``with_key``, as agents do), so one after a try whose answer came too late takes
+        the node back; without it, the name is free again only once that node is lost."""
+        counts = counts if counts is not None else Registrations()
+        key = secrets.token_urlsafe(32) if with_key else None
+        body = NodeRegister(
+            name=self.name, address="127.0.0.1", slots=1, pid=0, registration_key=key
+        )
+        timed_out = False
         for attempt in range(tries):
+            counts.tries += 1
             try:
                 response = await self._http.post(
                     f"{API}/nodes/register",
                     json=body.model_dump(mode="json"),
                     headers={"authorization": f"Bearer {self._enrolment_token}"},
-                    timeout=REGISTER_TIMEOUT_S,
+                    timeout=timeout_s,
                 )
+                counts.refused += response.status_code == 409
                 retry = response.status_code >= 500 or response.status_code == 409
                 if not retry or attempt == tries - 1:
                     break
             except httpx.TransportError:
+                counts.timed_out += 1
+                timed_out = True
                 if attempt == tries - 1:
                     raise
             await asyncio.sleep(1.0)
         response.raise_for_status()
+        counts.after_timeout += timed_out
         registered = NodeRegistered.model_validate(response.json())
         self._node_id, self._token = registered.node_id, registered.node_token
         self._interval_s = self._base_interval_s = registered.heartbeat_interval_s
