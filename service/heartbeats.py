@@ -241,7 +241,9 @@ def memberships(session: Session, node_id: int, now: datetime) -> list[tuple[Mem
                 device=device,
                 gpus=tuple(gpus or ()),
                 restart_count=restart_count,
-                generation=left,
+                # An attempt that has ended re-forms nothing: a member that left it since
+                # moves no generation a node would act on (it acts only on a rise).
+                generation=left if state is AttemptState.RUNNING else 0,
                 active_members=active,
                 memberships=total,
             ),
@@ -285,6 +287,8 @@ _RECORD = (
         last_heartbeat_at=bindparam("seen_at", type_=Node.__table__.c.last_heartbeat_at.type),
         gpu_usage=bindparam("usage", type_=Node.__table__.c.gpu_usage.type),
         heartbeat_interval_s=bindparam("interval_s"),
+        # The token arrived: the key of the registration that issued it is spent.
+        registration_key_hash=None,
     )
     .returning(Node.id)
     .execution_options(synchronize_session=False)

@@ -41,7 +41,8 @@ def register_node(
 
     A retry by key keeps the node's memberships of running attempts: the agent never
     got the token it needs to learn of them, so it has started none, and its first
-    heartbeat finds them.
+    heartbeat finds them. The key is spent by the node's first heartbeat (its token
+    arrived), so it cannot take back a node that runs anything.
     """
     node = session.scalars(
         select(Node).where(Node.name == body.name).with_for_update()
@@ -177,12 +178,14 @@ def record_heartbeat(
             last_heartbeat_at=now,
             gpu_usage=usage,
             heartbeat_interval_s=interval_s,
+            registration_key_hash=None,
         ):
             raise StaleState(f"node {node.id} is no longer {node.state}")
         logger.info("node=%s name=%s is back", node.id, node.name)
     else:
         node.last_heartbeat_at, node.gpu_usage = now, usage
         node.heartbeat_interval_s = interval_s
+        node.registration_key_hash = None  # its token arrived: the key is spent
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,15 @@ def test_a_retried_registration_whose_answer_was_lost_gets_its_node_back(
     assert assignment["attempt_id"] == attempt["id"]
     assert job(api, job_id)["membership_changes"] == 0
     assert [m["state"] for m in job(api, job_id)["attempts"][0]["members"]] == ["ACTIVE"]
-    # The key is that of the registration that issued the current token: a restarted
-    # agent (a new key, its kept token) takes the node back, and the old key is spent.
+    # The token arrived (a heartbeat came with it): the key is spent, and a late copy of
+    # the retry cannot take back a node that may now run its job.
+    assert register_as(api, shared, "a", key=KEY).status_code == 409
+    # A restarted agent (a new key, its kept token) takes the node back; until its token
+    # is used, its key is the one that works, not the old one.
     restarted = register_as(api, shared, "a", token, key=OTHER_KEY)
     assert restarted.status_code == 200, restarted.text
     assert register_as(api, shared, "a", key=KEY).status_code == 409
+    assert register_as(api, shared, "a", key=OTHER_KEY).status_code == 200
 
 
 def test_a_registration_key_is_checked(api: Cluster) -> None:

@@ -273,6 +273,26 @@ def test_a_node_still_ending_after_the_job_succeeded_is_left_to_finish_for_a_whi
     assert running_heartbeat(api, b, attempt_id) == []
 
 
+def test_a_member_leaving_an_attempt_that_succeeded_re_forms_nothing(
+    api: TestClient, reconciler: Reconciler
+) -> None:
+    """Three nodes; a's success ends the attempt, c is stopped (LEFT) while b is still in
+    its teardown: b's kept assignment must not read a member change, or its agent would
+    end b's remaining processes to re-form a world that has finished."""
+    a, b, c = register(api, "a"), register(api, "b"), register(api, "c")
+    job_id = submit(api, "3:3")
+    reconciler.run_once()
+    attempt_id = job(api, job_id)["attempts"][0]["id"]
+    [before] = running_heartbeat(api, b, attempt_id)
+    assert report(api, a, attempt_id, exit={"outcome": "succeeded", "exit_code": 0}).is_success
+    assert report(api, c, attempt_id, exit={"outcome": "stopped", "clean": True}).is_success
+    members = {m["node_name"]: m["state"] for m in job(api, job_id)["attempts"][0]["members"]}
+    assert members == {"a": "FINISHED", "b": "ACTIVE", "c": "LEFT"}
+    [kept] = running_heartbeat(api, b, attempt_id)
+    assert kept["attempt_id"] == attempt_id
+    assert kept["membership_generation"] <= before["membership_generation"]
+
+
 def test_a_fatal_launcher_exit_fails_the_job(api: TestClient, reconciler: Reconciler) -> None:
     a, _ = register(api, "a"), register(api, "b")
     job_id = submit(api)
