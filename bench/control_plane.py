@@ -679,41 +679,38 @@ def main(argv: list[str] | None = None) -> None:
         heartbeats_per_s_max=args.heartbeats_per_s_max,
         register_timeout_s=args.register_timeout_s,
     )
+    runs: dict[str, dict[str, Any]]
     if args.baseline_no_registration_key:
-        keys = {
+        runs = {
             "no registration key": run(replace(options, registration_key=False)),
             "registration key": run(options),
         }
-        for result in keys.values():
-            print_table(result)
-        print_registrations(keys)
-        if args.json is not None:
-            args.json.write_text(json.dumps(_finite(keys), indent=2) + "\n")
-        return
-    if not args.baseline_fixed_interval:
-        result = run(options)
-        print_table(result)
-        if args.json is not None:
-            args.json.write_text(json.dumps(_finite(result), indent=2) + "\n")
-        return
-    runs = {
-        "fixed interval": run(replace(options, heartbeats_per_s_max=FIXED_INTERVAL_BUDGET)),
-        "paced": run(options),
-    }
+        side_by_side = print_registrations
+    elif args.baseline_fixed_interval:
+        runs = {
+            "fixed interval": run(replace(options, heartbeats_per_s_max=FIXED_INTERVAL_BUDGET)),
+            "paced": run(options),
+        }
+        side_by_side = print_side_by_side
+    else:
+        runs = {"": run(options)}
+        side_by_side = None
     for result in runs.values():
         print_table(result)
-    print_side_by_side(runs)
+    if side_by_side is not None:
+        side_by_side(runs)
     if args.json is not None:
-        args.json.write_text(json.dumps(_finite(runs), indent=2) + "\n")
+        written = runs[""] if side_by_side is None else runs
+        args.json.write_text(json.dumps(_finite(written), indent=2) + "\n")
+
+
+# A figure's label, and how it reads from one run's results.
+Row = tuple[str, Callable[[dict[str, Any]], str]]
 
 
 def print_registrations(runs: dict[str, dict[str, Any]]) -> None:
     """How the fleet's start went, one column per run."""
-    table = Table(title="the fleet's registrations: the same load, back to back")
-    table.add_column("figure", justify="left")
-    for name in runs:
-        table.add_column(name, justify="right")
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    rows: list[Row] = [
         ("every node registered in", lambda r: f"{r['setup']['register_s']:.1f} s"),
         ("tries", lambda r: f"{r['setup']['registrations']['tries']}"),
         ("tries unanswered", lambda r: f"{r['setup']['registrations']['timed_out']}"),
@@ -723,9 +720,7 @@ def print_registrations(runs: dict[str, dict[str, Any]]) -> None:
         ("heartbeat p50 / p99, nodes' side (ms)",
          lambda r: f"{r['heartbeat']['p50_ms']:.1f} / {r['heartbeat']['p99_ms']:.1f}"),
     ]  # fmt: skip
-    for label, cell in rows:
-        table.add_row(label, *(cell(r) for r in runs.values()))
-    Console().print(table)
+    _print_columns("the fleet's registrations: the same load, back to back", runs, rows)
 
 
 def _pair(figures: dict[str, Any], prefix: str = "") -> str:
@@ -738,11 +733,7 @@ FIXED_INTERVAL_BUDGET = 100_000.0
 
 def print_side_by_side(runs: dict[str, dict[str, Any]]) -> None:
     """The figures the pace changes, one column per run."""
-    table = Table(title="heartbeat pace: the same load, back to back")
-    table.add_column("figure", justify="left")
-    for name in runs:
-        table.add_column(name, justify="right")
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    rows: list[Row] = [
         ("interval told (longest)", lambda r: f"{r['heartbeat']['interval_told_s_max']:.1f} s"),
         ("heartbeats answered /s", lambda r: f"{r['heartbeat']['per_s']:.0f}"),
         ("heartbeat p50 / p99, nodes' side (ms)",
@@ -758,6 +749,15 @@ def print_side_by_side(runs: dict[str, dict[str, Any]]) -> None:
         ("controller CPU (share of a core)",
          lambda r: f"{100 * r['controller']['cpu_share_of_one_core']:.0f} %"),
     ]  # fmt: skip
+    _print_columns("heartbeat pace: the same load, back to back", runs, rows)
+
+
+def _print_columns(title: str, runs: dict[str, dict[str, Any]], rows: list[Row]) -> None:
+    """A table of ``rows``, one column per run."""
+    table = Table(title=title)
+    table.add_column("figure", justify="left")
+    for name in runs:
+        table.add_column(name, justify="right")
     for label, cell in rows:
         table.add_row(label, *(cell(r) for r in runs.values()))
     console.print(table)

@@ -32,6 +32,8 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     assert result["reconcile"]["passes"] > 0
     assert result["reconcile"]["actions"].get("PlaceJob", 0) >= 2
     assert result["nodes_by_state_at_end"]["ALIVE"] == 4
+    registrations = result["setup"]["registrations"]
+    assert registrations["tries"] >= 4 and registrations["refused"] == 0, registrations
     assert [r["phase"] for r in result["reads"]] == [
         "job list",
         "job list, If-None-Match",
