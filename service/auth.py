@@ -40,6 +40,14 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def hashes_to(secret: str | None, kept: str | None) -> bool:
+    """Whether ``secret`` is the one whose hash (``token_hash``) was ``kept``, compared in
+    time that does not depend on where they differ; False if either is missing."""
+    if secret is None or kept is None:
+        return False
+    return hmac.compare_digest(token_hash(secret), kept)
+
+
 def same_secret(given: str, expected: str) -> bool:
     """Compare two secrets in time that does not depend on where they differ."""
     return hmac.compare_digest(token_hash(given), token_hash(expected))

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from service import auth
 from service.errors import Forbidden, NotFound, Unauthenticated
-from service.models import EnrolmentToken, User
+from service.models import EnrolmentToken, Node, User
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,11 @@ class Refusal:
     forbidden: bool = False
 
 
-def refusal(row: EnrolmentToken, name: str, now: datetime) -> Refusal | None:
-    """Whether ``row`` admits registering ``name`` at ``now``: None if it does.
+def refusal(
+    row: EnrolmentToken, name: str, now: datetime, *, retry: bool = False
+) -> Refusal | None:
+    """Whether ``row`` admits registering ``name`` at ``now``: None if it does. A
+    ``retry`` of the registration that used a single-use token is admitted again.
 
     The order matters only for the message: a revoked token says so even if it
     has also expired.
@@ -58,7 +61,7 @@ def refusal(row: EnrolmentToken, name: str, now: datetime) -> Refusal | None:
         )
     if row.expires_at <= now:
         return Refusal(f"this enrolment token expired at {row.expires_at:%Y-%m-%d %H:%M:%S} UTC")
-    if row.single_use and row.used_at is not None:
+    if row.single_use and row.used_at is not None and not retry:
         return Refusal("this enrolment token was already used; it admits one registration")
     if row.node_name is not None and row.node_name != name:
         return Refusal(f"this enrolment token does not admit the name {name!r}", forbidden=True)
@@ -66,13 +69,21 @@ def refusal(row: EnrolmentToken, name: str, now: datetime) -> Refusal | None:
 
 
 def admit(
-    session: Session, token: str, name: str, shared: SecretStr | None, now: datetime
+    session: Session,
+    token: str,
+    name: str,
+    shared: SecretStr | None,
+    now: datetime,
+    registration_key: str | None = None,
 ) -> EnrolmentToken | None:
     """Check the credential of a registration of ``name``; the per-node token that
     admitted it, or None for the shared token.
 
     A single-use token is marked used here, in the registration's transaction:
-    if the registration fails afterwards, the use is rolled back with it.
+    if the registration fails afterwards, the use is rolled back with it. A used
+    one admits again a retry that carries the ``registration_key`` of the node's
+    last registration while that key is unspent (``service.nodes``): the try that
+    used the token registered the node, but its answer was lost.
     Raises ``Unauthenticated`` (401) for an unknown, revoked, expired or used
     token, ``Forbidden`` (403) for a token bound to another name.
     """
@@ -87,7 +98,11 @@ def admit(
                 "(relaunch nodes token create)"
             )
         raise Unauthenticated(WRONG)
-    why = refusal(row, name, now)
+    retry = row.single_use and row.used_at is not None and _retries(session, name, registration_key)
+    why = refusal(row, name, now, retry=retry)
+    if why is None and retry:
+        logger.info("enrolment token %s admits name=%s again: a retry by key", row.id, name)
+        return row
     if why is None and not _use(session, row, now):
         why = refusal(row, name, now) or Refusal("this enrolment token was just used or revoked")
     if why is not None:
@@ -95,6 +110,15 @@ def admit(
         raise (Forbidden if why.forbidden else Unauthenticated)(why.message)
     logger.info("enrolment token %s admits name=%s", row.id, name)
     return row
+
+
+def _retries(session: Session, name: str, registration_key: str | None) -> bool:
+    """Whether ``registration_key`` is the unspent key of the last registration of the
+    node ``name``."""
+    if registration_key is None:
+        return False
+    stmt = select(Node.registration_key_hash).where(Node.name == name)
+    return auth.hashes_to(registration_key, session.scalars(stmt).one_or_none())
 
 
 def _find(session: Session, token: str) -> EnrolmentToken | None:

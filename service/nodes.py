@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -49,7 +48,11 @@ def register_node(
     ).one_or_none()
     key_hash = None if body.registration_key is None else auth.token_hash(body.registration_key)
     held = node is not None and holds_token(node, body)
-    retry = node is not None and not held and _same_key(node, key_hash)
+    retry = (
+        node is not None
+        and not held
+        and auth.hashes_to(body.registration_key, node.registration_key_hash)
+    )
     if node is not None and node.state is NodeState.ALIVE and not held and not retry:
         raise Conflict(
             f"node {body.name} is alive; registering under its name needs its node token"
@@ -106,19 +109,9 @@ def _take_inventory(node: Node, body: NodeRegister) -> None:
     node.gpu_driver, node.cuda_version, node.cpus = body.gpu_driver, body.cuda_version, body.cpus
 
 
-def _same_key(node: Node, key_hash: str | None) -> bool:
-    """Whether ``key_hash`` is that of the key of the registration that issued the
-    node's current token."""
-    kept = node.registration_key_hash
-    return key_hash is not None and kept is not None and hmac.compare_digest(key_hash, kept)
-
-
 def holds_token(node: Node, body: NodeRegister) -> bool:
     """Whether the registration carries ``node``'s current token."""
-    given = body.node_token
-    if given is None or node.token_hash is None:
-        return False
-    return hmac.compare_digest(auth.token_hash(given), node.token_hash)
+    return auth.hashes_to(body.node_token, node.token_hash)
 
 
 def memberships(session: Session, node_id: int) -> list[AttemptMember]:

@@ -68,7 +68,9 @@ def register(
     """401 or 403: the enrolment credential does not admit this name; 409: the name is
     an ALIVE node's and the request does not carry that node's token."""
     with transaction(factory) as session:
-        enrolment.admit(session, credential, body.name, settings.enrolment_token, now)
+        enrolment.admit(
+            session, credential, body.name, settings.enrolment_token, now, body.registration_key
+        )
         node = nodes.register_node(session, body, now)
         node_token = auth.issue_node_token(session, node)
     # A waiting job, or a running one that may grow, gets the node in a pass that ends

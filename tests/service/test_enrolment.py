@@ -177,6 +177,31 @@ def test_a_per_node_token_admits_one_registration_by_default(api: Cluster) -> No
     assert listed(api, token_id)["used_at"] is not None
 
 
+def test_a_single_use_token_admits_the_retry_of_the_registration_that_used_it(
+    api: Cluster,
+) -> None:
+    """The try that used the token registered the node, but its answer was lost: the retry
+    with the same registration key is admitted again. Another key, another name, or the
+    same key once the node's token was used (a heartbeat) are refused as a used token."""
+    _, secret = make_token(api, node_name="n1")
+    assert register_as(api, secret, "n1", key=KEY).status_code == 200  # answer lost
+    for name, key, status in (("n1", None, 401), ("n1", OTHER_KEY, 401), ("n2", KEY, 401)):
+        r = register_as(api, secret, name, key=key)
+        assert r.status_code == status, (name, key, r.text)
+    retried = register_as(api, secret, "n1", key=KEY)
+    assert retried.status_code == 200, retried.text
+    node_id, token = retried.json()["node_id"], retried.json()["node_token"]
+    beat = api.post(
+        f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []}, headers=bearer(token)
+    )
+    assert beat.status_code == 200, beat.text
+    late = register_as(api, secret, "n1", key=KEY)
+    assert late.status_code == 401 and "already used" in late.json()["detail"], late.text
+    _, unbound = make_token(api)
+    assert register_as(api, unbound, "n2", key=OTHER_KEY).status_code == 200
+    assert register_as(api, unbound, "n1", key=OTHER_KEY).status_code == 401  # not n1's key
+
+
 def test_a_reusable_per_node_token_admits_until_it_expires(api: Cluster, clock: FakeClock) -> None:
     _, secret = make_token(api, single_use=False, expires_in_s=3600)
     for name in ("n1", "n2", "n3"):
