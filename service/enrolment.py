@@ -100,15 +100,19 @@ def admit(
         raise Unauthenticated(WRONG)
     retry = row.single_use and row.used_at is not None and _retries(session, name, registration_key)
     why = refusal(row, name, now, retry=retry)
-    if why is None and retry:
-        logger.info("enrolment token %s admits name=%s again: a retry by key", row.id, name)
-        return row
-    if why is None and not _use(session, row, now):
-        why = refusal(row, name, now) or Refusal("this enrolment token was just used or revoked")
+    if why is None and not retry and not _use(session, row, now):
+        # Another try of the same registration may have used it and committed meanwhile
+        # (a retry sent while the first try still ran): the row was read again, and so is
+        # the node.
+        retry = row.single_use and _retries(session, name, registration_key)
+        why = refusal(row, name, now, retry=retry)
+        if why is None and not retry:
+            why = Refusal("this enrolment token was just used or revoked")
     if why is not None:
         logger.warning("enrolment token %s refused for name=%s: %s", row.id, name, why.message)
         raise (Forbidden if why.forbidden else Unauthenticated)(why.message)
-    logger.info("enrolment token %s admits name=%s", row.id, name)
+    again = " again: a retry by registration key" if retry else ""
+    logger.info("enrolment token %s admits name=%s%s", row.id, name, again)
     return row
 
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from contract.protocol import Heartbeat, NodeRegister
 from service import auth
 from service.attempts import drop_member, end_member
-from service.errors import Conflict, NotFound, StaleState
+from service.errors import Conflict, NotFound, StaleState, Unauthenticated
 from service.models import Attempt, AttemptMember, JobEvent, Node
 from service.states import AttemptState, MemberState, NodeState
 from service.transitions import transition
@@ -155,13 +155,23 @@ def get_node(session: Session, node_id: int, *, for_update: bool = False) -> Nod
 
 
 def record_heartbeat(
-    session: Session, node_id: int, body: Heartbeat, now: datetime, interval_s: float | None = None
+    session: Session,
+    node_id: int,
+    body: Heartbeat,
+    now: datetime,
+    interval_s: float | None = None,
+    *,
+    token: str | None = None,
 ) -> None:
     """Record that the node lives (a LOST or LEFT node is ALIVE again), how its GPUs
     are used and the ``interval_s`` its answer tells it (None: the base interval): the
     way for any node, where ``service.heartbeats.record`` is the short way for an ALIVE
-    one."""
+    one. ``token``, the caller's, is checked again under the row's lock: a registration
+    that committed since the caller's token was checked has made it stale
+    (``Unauthenticated``), and it must not spend that registration's key."""
     node = get_node(session, node_id, for_update=True)
+    if token is not None and not auth.hashes_to(token, node.token_hash):
+        raise Unauthenticated(f"node {node_id} registered again: this node token is no longer its")
     usage = [u.model_dump() for u in body.gpus]
     if node.state is not NodeState.ALIVE:
         if not transition(

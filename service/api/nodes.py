@@ -111,7 +111,7 @@ def heartbeat(
             return Response(reply, media_type="application/json")
     node = get_node(node_id, read_factory, credentials)
     with transaction(factory) as session:
-        nodes.record_heartbeat(session, node.id, body, now, interval_s)
+        nodes.record_heartbeat(session, node.id, body, now, interval_s, token=token)
         reply = heartbeats.answer(
             session, node.id, body, settings, keyring, answers, interval_s, now
         )

@@ -5,15 +5,20 @@ real app on each database and a movable clock)."""
 from __future__ import annotations
 
 import threading
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from contract.protocol import Heartbeat
 from service.api.app import create_app
 from service.db import transaction
+from service.errors import Unauthenticated
 from service.models import Role
+from service.nodes import record_heartbeat
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
@@ -273,6 +278,58 @@ def test_one_single_use_token_racing_admits_exactly_one_node(api: Cluster) -> No
         t.join()
     assert sorted(codes) == [200] + [401] * 5, codes
     assert len(api.get("/api/v1/nodes").json()["items"]) == 1
+
+
+def test_tries_of_one_registration_racing_with_a_single_use_token_are_all_admitted(
+    api: Cluster,
+) -> None:
+    """An agent's tries of one registration may overlap (a retry sent while the first
+    still runs): the one that waited for the token's use reads the node the first made,
+    and is admitted as its retry, not refused as a used token."""
+    _, secret = make_token(api, node_name="n1")
+    barrier = threading.Barrier(4)
+    answers: list[httpx.Response] = []
+
+    def race() -> None:
+        barrier.wait()
+        answers.append(register_as(api, secret, "n1", key=KEY))
+
+    threads = [threading.Thread(target=race) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    [node] = api.get("/api/v1/nodes").json()["items"]
+    live = [
+        r.json()["node_token"]
+        for r in answers
+        if api.post(
+            f"/api/v1/nodes/{node['id']}/heartbeat",
+            json={"running": []},
+            headers=bearer(r.json()["node_token"]),
+        ).status_code
+        == 200
+    ]
+    assert len(live) == 1  # the last registration's token; the others were replaced
+
+
+def test_a_heartbeat_with_a_token_replaced_meanwhile_does_not_spend_the_new_key(
+    api: Cluster,
+) -> None:
+    """The slow way of a heartbeat (a LOST node) checks the caller's token again under the
+    row's lock: a registration that committed since made it stale, and the new agent's
+    key stays unspent for its retry."""
+    shared = api.app.state.settings.enrolment_token.get_secret_value()  # type: ignore[attr-defined]
+    first = register_as(api, shared, "a", key=OTHER_KEY).json()
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    again = register_as(api, shared, "a", first["node_token"], key=KEY)
+    assert again.status_code == 200, again.text
+    with transaction(factory) as session, pytest.raises(Unauthenticated, match="registered again"):
+        record_heartbeat(
+            session, first["node_id"], Heartbeat(), datetime.now(UTC), token=first["node_token"]
+        )
+    assert register_as(api, shared, "a", key=KEY).status_code == 200  # the key is unspent
 
 
 def test_only_admins_make_list_and_revoke_per_node_tokens(api: Cluster) -> None:
