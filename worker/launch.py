@@ -56,8 +56,9 @@ from contract.events import (
     ZygoteChanged,
 )
 from contract.labels import label_from_environ
+from contract.prctl import set_parent_death_signal
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
-from worker import procs, warm
+from worker import warm
 from worker.bootstrap import STACK_DUMP_SIGNAL, error_says_peer_lost, returned_mark
 from worker.hang import BeatWatches, HangRule, HangTimeout
 from worker.runtime.events import EventWriter
@@ -668,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     global _CTX
     _CTX = _context()
     ns, torchrun_args = _parse(sys.argv[1:] if argv is None else argv)
-    procs.set_parent_death_signal(signal.SIGTERM)
+    set_parent_death_signal(signal.SIGTERM)
     if ns.parent_pid is not None and os.getppid() != ns.parent_pid:
         logger.error("%s parent %s is gone before start; exiting", _CTX, ns.parent_pid)
         return 1

@@ -18,8 +18,6 @@ processes findable here:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -32,38 +30,18 @@ from pathlib import Path
 
 import psutil
 
-logger = logging.getLogger(__name__)
+from contract.prctl import PR_SET_CHILD_SUBREAPER, prctl
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_NAME = 15
+logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1
 # psutil derives create_time from clock ticks since boot; equal within a boot.
 _CREATE_TIME_TOLERANCE_S = 0.05
 
 
-def _prctl(option: int, value: int | bytes) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    argument = ctypes.c_char_p(value) if isinstance(value, bytes) else ctypes.c_ulong(value)
-    if libc.prctl(option, argument, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
-
-
-def set_process_name(name: str) -> None:
-    """This process's name in /proc/PID/comm and ``ps`` (the kernel keeps 15 bytes)."""
-    _prctl(PR_SET_NAME, name.encode()[:15])
-
-
-def set_parent_death_signal(sig: signal.Signals) -> None:
-    """Have the kernel send ``sig`` to this process when its parent *thread* exits."""
-    _prctl(PR_SET_PDEATHSIG, int(sig))
-
-
 def become_subreaper() -> None:
     """Make orphaned descendants of this process re-parent to it instead of init."""
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from contract.prctl import set_parent_death_signal
 from worker import procs
 from worker.warm import SpareZygote
 
@@ -139,7 +140,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
-    procs.set_parent_death_signal(signal.SIGTERM)
+    set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != ns.parent_pid:
         return 1
     priority = os.getpriority(os.PRIO_PROCESS, 0)

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.labels import ZYGOTE_PROCESS_NAME
-from worker.procs import set_parent_death_signal, set_process_name
+from contract.prctl import set_parent_death_signal, set_process_name
 
 # A request carries a worker's whole environment; a packet stays below this.
 MAX_MESSAGE_BYTES = 1 << 20
