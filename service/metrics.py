@@ -55,21 +55,19 @@ SNAPSHOT_SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800
 UNMATCHED_ROUTE = "<unmatched>"
 
 
-class ControllerMetrics:
-    """Every metric of one controller process, in a registry of its own (two apps in one
-    process, as in the tests, do not share counts)."""
+class ReconcilerMetrics:
+    """The metrics of the reconciler's passes, in ``registry``: the controller's own, or,
+    where the reconciler runs in a process of its own, that process's, whose samples
+    reach the controller's ``/metrics`` through ``Relayed``."""
 
-    def __init__(self, read_factory: sessionmaker[Session] | None = None) -> None:
-        self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.reconcile_pass = Histogram(
             "relaunch_reconcile_pass_seconds",
             "Time of one reconciler pass of the leading controller: read the database, "
             "plan, apply every action",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.reconcile_phase = Histogram(
             "relaunch_reconcile_phase_seconds",
@@ -77,26 +75,60 @@ class ControllerMetrics:
             "apply (one transaction per action)",
             ["phase"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.reconcile_actions = Counter(
             "relaunch_reconcile_actions",
             "Actions the reconciler decided, by kind (PlaceJob, MarkNodeLost, ...)",
             ["action"],
-            registry=self.registry,
+            registry=registry,
         )
         self.reconcile_queue_reads = Counter(
             "relaunch_reconcile_queue_reads",
             "Passes by how much of the queue of PENDING jobs they read: whole, or only its "
             "head (up to where the jobs read fill the free nodes, and the new jobs)",
             ["read"],
-            registry=self.registry,
+            registry=registry,
         )
         self.leader = Gauge(
             "relaunch_controller_leader",
             "1 while this controller holds the leader lease (its reconciler acts), else 0",
-            registry=self.registry,
+            registry=registry,
         )
+
+
+class Relayed(Collector):
+    """Metrics collected in another process and sent here (``update``), served as last
+    received; nothing until the first."""
+
+    def __init__(self) -> None:
+        self._metrics: list[Metric] = []
+
+    def update(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._metrics)
+
+
+class ControllerMetrics:
+    """Every metric of one controller process, in a registry of its own (two apps in one
+    process, as in the tests, do not share counts)."""
+
+    def __init__(
+        self, read_factory: sessionmaker[Session] | None = None, *, reconciler_here: bool = True
+    ) -> None:
+        self.registry = CollectorRegistry()
+        # The reconciler's metrics as its child process last sent them, when it runs in one.
+        self.relayed = Relayed()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.reconciler: ReconcilerMetrics | None = None
+        if reconciler_here:
+            self.reconciler = ReconcilerMetrics(self.registry)
+        else:
+            self.registry.register(self.relayed)
         self.heartbeat = Histogram(
             "relaunch_heartbeat_seconds",
             "Time to answer one node heartbeat, from the request to the reply's last byte",

@@ -43,9 +43,10 @@ from service.jobs import (
     get_job,
 )
 from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
-from service.metrics import ControllerMetrics
+from service.metrics import ReconcilerMetrics
 from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.nodes import mark_lost
+from service.passes import PassSignals
 from service.placement import (
     BySlots,
     GpuNodes,
@@ -577,7 +578,7 @@ class _PhaseTimer:
     """Times the phases of one pass into ``relaunch_reconcile_phase_seconds``, and keeps
     them (``seconds``) for the log line of a slow pass."""
 
-    def __init__(self, metrics: ControllerMetrics | None) -> None:
+    def __init__(self, metrics: ReconcilerMetrics | None) -> None:
         self._metrics = metrics
         self._since = time.perf_counter()
         self.seconds: dict[str, float] = {}
@@ -645,22 +646,17 @@ class Reconciler:
         factory: sessionmaker[Session],
         settings: ControllerSettings,
         clock: Callable[[], datetime] = utcnow,
-        metrics: ControllerMetrics | None = None,
+        metrics: ReconcilerMetrics | None = None,
+        signals: PassSignals | None = None,
+        after_pass: Callable[[], None] | None = None,
     ) -> None:
         self._factory = factory
         self._metrics = metrics
+        # Called after each pass of the loop (the child process sends its metrics then).
+        self._after_pass = after_pass
         self._settings = settings
         self._clock = clock
-        self._stop = threading.Event()
-        # Set by ``wake``: the next pass begins after the rest, not after the interval.
-        self._woken = threading.Event()
-        # Set by ``wake(wait_s=)`` and ``stop``: ends even the rest after a pass (a caller
-        # holds an API thread until the next pass ends).
-        self._waited_on = threading.Event()
-        # Passes of the loop begun and ended, for ``wake(wait_s=)``.
-        self._passes = threading.Condition()
-        self._begun = 0
-        self._ended = 0
+        self._signals = PassSignals.in_process() if signals is None else signals
         self._thread: threading.Thread | None = None
         self._leadership: Leadership | None = None
         # Set when this controller takes the lease, and again after a pass that
@@ -1001,39 +997,18 @@ class Reconciler:
         add_event(session, job.id, "failed", f"job failed: {why}", now)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+        self._thread = threading.Thread(target=self.loop, name="reconciler", daemon=True)
         self._thread.start()
 
     def wake(self, wait_s: float = 0.0) -> bool:
         """Begin the next pass without waiting for the interval (a job was submitted, a
-        node registered), once the rest after the last pass (``rest_after``) has ended.
-        Safe from any thread; a pass under way runs to its end first, and wakes that come
-        during it make one more pass, not one each.
-
-        With ``wait_s``, return once a pass begun after this call has ended (True), or
-        after ``wait_s`` (False): a caller that committed before calling then knows the
-        pass saw its commit. Such a wake also ends the rest at once: the caller holds one
-        of the API's threads until then."""
-        with self._passes:
-            target = self._begun + 1
-            self._woken.set()
-            if wait_s > 0:
-                self._waited_on.set()
-        if wait_s <= 0:
-            return False
-        with self._passes:
-            return (
-                self._passes.wait_for(lambda: self._ended >= target or self._stop.is_set(), wait_s)
-                and not self._stop.is_set()
-            )
+        node registered); with ``wait_s``, wait for it to end (``PassSignals.wake``).
+        Safe from any thread."""
+        return self._signals.wake(wait_s)
 
     def stop(self) -> None:
         """Stop the loop and hand the lease back, so a standby takes over at once."""
-        self._stop.set()
-        self._woken.set()
-        self._waited_on.set()
-        with self._passes:
-            self._passes.notify_all()
+        self._signals.request_stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._leadership is None:
@@ -1058,21 +1033,21 @@ class Reconciler:
             self._leading_since = self._clock()
         self._last_pass = wall
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            with self._passes:  # as one with ``wake``'s reading of the target
-                self._woken.clear()
-                self._waited_on.clear()
-                self._begun += 1
+    def loop(self) -> None:
+        """Pass after pass until stopped, each followed by its rest (``rest_after``) and
+        then by the rest of the interval unless woken. ``start`` runs it on a thread."""
+        signals = self._signals
+        while not signals.stop.is_set():
+            signals.begin()
             self.note_pass(utcnow())
             started, cpu_started = time.monotonic(), time.thread_time()
             try:
                 self.run_once()
             except Exception:
                 logger.exception("reconciler pass failed; retrying")
-            with self._passes:
-                self._ended += 1
-                self._passes.notify_all()
+            signals.end()
+            if self._after_pass is not None:
+                self._after_pass()
             settings = self._settings
             interval = settings.reconcile_interval_s
             rest = rest_after(
@@ -1083,5 +1058,4 @@ class Reconciler:
                 settings.leader_lease_s,
                 settings.node_timeout_s,
             )
-            self._waited_on.wait(rest)
-            self._woken.wait(max(0.0, interval - rest))
+            signals.rest(rest, interval)

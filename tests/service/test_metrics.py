@@ -37,7 +37,7 @@ def settings(settings: ControllerSettings) -> ControllerSettings:
 def reconciler(api: Cluster, settings: ControllerSettings, clock: FakeClock) -> Reconciler:
     """The reconciler as the app starts it: with the app's metrics."""
     state = api.app.state  # type: ignore[attr-defined]
-    return Reconciler(state.session_factory, settings, clock, state.metrics)
+    return Reconciler(state.session_factory, settings, clock, state.metrics.reconciler)
 
 
 def scrape(api: Cluster) -> Samples:

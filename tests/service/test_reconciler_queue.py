@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
 from service import reconciler as reconciler_module
 from service.db import transaction
-from service.metrics import ControllerMetrics
+from service.metrics import ReconcilerMetrics
 from service.placement import Room
 from service.reconciler import ExplainWait, NodeView, PlaceJob, Reconciler, load_views, plan
 from service.settings import ControllerSettings
@@ -50,7 +51,7 @@ def small_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def counted(api: TestClient, settings: ControllerSettings, clock: FakeClock) -> Reconciler:
     """A reconciler whose metrics count how much of the queue each pass read."""
     factory = api.app.state.session_factory  # type: ignore[attr-defined]
-    return Reconciler(factory, settings, clock, ControllerMetrics())
+    return Reconciler(factory, settings, clock, ReconcilerMetrics(CollectorRegistry()))
 
 
 def reads(reconciler: Reconciler) -> dict[str, float]:
