@@ -116,18 +116,25 @@ def _pool_size(connections: int) -> dict[str, int]:
     return {"pool_size": connections, "max_overflow": 0}
 
 
+def in_memory(url: str) -> bool:
+    """Whether ``url`` names a SQLite database in the memory of the process that opens it
+    (SQLAlchemy's own test for one)."""
+    parsed = make_url(normalize_url(url))
+    if parsed.get_backend_name() != "sqlite":
+        return False
+    return parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
+
+
 def _sqlite_engine(url: str, connections: int) -> Engine:
     """An engine on the SQLite file ``url`` names (made if missing), with its pragmas;
     the caller says how its transactions begin."""
     make_sqlite_parent(url)
-    parsed = make_url(url)
     # An in-memory database lives in one connection (SQLAlchemy's SingletonThreadPool),
-    # which takes no pool size; this is SQLAlchemy's own test for one.
-    in_memory = parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
+    # which takes no pool size.
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-        **({} if in_memory else _pool_size(connections)),
+        **({} if in_memory(url) else _pool_size(connections)),
     )
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine

@@ -13,7 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.paths import is_url
 
-# Connections beyond the API's threads: one for the reconciler's thread, the rest a margin.
+# Connections beyond the API's threads: one for the reconciler (on a thread of the API's
+# process, or, in a child process, a pool of its own), the rest a margin.
 RESERVED_CONNECTIONS = 4
 
 
@@ -103,6 +104,12 @@ class ControllerSettings(BaseSettings):
         "rests long enough for that (within a third of the lease and a stall's margin), "
         "and a submit's wake waits for the rest, a registration's does not; a pass and the "
         "API share one interpreter lock",
+    )
+    reconciler_process: bool = Field(
+        default=True,
+        description="Run the reconciler's passes in a child process of the controller, so "
+        "that they do not take the interpreter lock from the API's threads; false: on a "
+        "thread of the API's process (also the case for an in-memory SQLite database)",
     )
     share_gpu_nodes_across_users: bool = Field(
         default=False,

@@ -27,6 +27,7 @@ from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
 from service.db import (
     database_busy,
+    in_memory,
     make_engine,
     make_private_dir,
     make_read_engine,
@@ -47,6 +48,7 @@ from service.errors import (
 from service.heartbeats import Answers, Pace, count_alive
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
+from service.reconciler_process import ReconcilerProcess
 from service.schemas import Problem
 from service.secrets import Keyring, SecretsKeyError, load_keyring, uses_default_key_file
 from service.secrets_db import check_database
@@ -72,6 +74,20 @@ REFUSALS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def reconciler_in_child(
+    settings: ControllerSettings, clock: Callable[[], datetime], run_background: bool
+) -> bool:
+    """Whether the reconciler runs in a child process (``service.reconciler_process``):
+    as set, unless the app's clock is not the wall clock (a test's, which a child could
+    not share) or the database lives in this process's memory."""
+    return (
+        settings.reconciler_process
+        and run_background
+        and clock is utcnow
+        and not in_memory(settings.db_url)
+    )
+
+
 def create_app(
     settings: ControllerSettings,
     *,
@@ -87,7 +103,8 @@ def create_app(
     factory = make_session_factory(engine)
     read_engine = make_read_engine(settings.db_url, engine, settings.database_connections)
     read_factory = make_session_factory(read_engine)
-    controller_metrics = ControllerMetrics(read_factory)
+    in_child = reconciler_in_child(settings, clock, run_background)
+    controller_metrics = ControllerMetrics(read_factory, reconciler_here=not in_child)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -103,7 +120,12 @@ def create_app(
             announce_first_admin(first_token)
         if settings.snapshots_are_local:
             Path(settings.snapshots).mkdir(parents=True, exist_ok=True)
-        reconciler = Reconciler(factory, settings, clock, controller_metrics)
+        reconciler: Reconciler | ReconcilerProcess
+        if in_child:
+            reconciler = ReconcilerProcess(settings, controller_metrics.relayed)
+        else:
+            reconciler = Reconciler(factory, settings, clock, controller_metrics.reconciler)
+        app.state.reconciler = reconciler
         if run_background:
             reconciler.start()
             app.state.wake_reconciler = reconciler.wake

@@ -1,0 +1,184 @@
+"""The reconciler in a child process of the controller (``service.reconciler_process``),
+as ``relaunch server`` runs it: it places jobs, its metrics reach ``/metrics``, it is
+started again if it dies, it hands the lease back when the controller stops, and it dies
+with a controller that is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+import pytest
+from pydantic import SecretStr
+
+from service.api.app import create_app
+from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
+from service.leader import current
+from service.models import Role
+from service.reconciler import utcnow
+from service.reconciler_process import PROCESS_NAME, ReconcilerProcess
+from service.settings import ControllerSettings
+from tests.service.helpers import Cluster, bearer, heartbeat, register, submit
+
+SCRAPE_TOKEN = "scrape-" + "s" * 32
+T = TypeVar("T")
+
+
+def until(what: Callable[[], T | None], timeout_s: float = 30.0) -> T:
+    """``what()`` once it is truthy; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = what()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s} s"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def live_settings(settings: ControllerSettings) -> ControllerSettings:
+    return settings.model_copy(
+        update={"metrics_token": SecretStr(SCRAPE_TOKEN), "leader_lease_s": 3.0}
+    )
+
+
+@pytest.fixture
+def live(live_settings: ControllerSettings) -> Iterator[Cluster]:
+    """The app with its background loops and the wall clock, as the server runs it."""
+    with Cluster(create_app(live_settings)) as client:
+        client.user_token = client.add_user("root", Role.ADMIN)
+        yield client
+
+
+def child(api: Cluster, other_than: int | None = None) -> psutil.Process:
+    """The running reconciler process (one other than the pid ``other_than``)."""
+    reconciler = api.app.state.reconciler  # type: ignore[attr-defined]
+    assert isinstance(reconciler, ReconcilerProcess)
+
+    def running() -> psutil.Process | None:
+        pid = reconciler.pid
+        if pid is None or pid == other_than:
+            return None
+        try:
+            return psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            return None
+
+    return until(running)
+
+
+def metric(api: Cluster, line_start: str) -> float:
+    """The value of the first sample of ``/metrics`` whose line starts so (0 if none)."""
+    r = api.get("/metrics", headers=bearer(SCRAPE_TOKEN))
+    assert r.status_code == 200, r.text
+    for line in r.text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def placed_on(api: Cluster, node: int) -> list[int]:
+    return [a["job_id"] for a in heartbeat(api, node)]
+
+
+def test_the_reconciler_runs_in_a_child_process_that_places_jobs_and_sends_its_metrics(
+    live: Cluster,
+) -> None:
+    process = child(live)
+    assert process.ppid() == os.getpid()
+    until(lambda: process.name() == PROCESS_NAME)  # named once it has started
+    node = register(live, "a")
+    job_id = submit(live, nnodes="1:1")
+    assert until(lambda: placed_on(live, node)) == [job_id]
+    # Sent after each pass: the pass that placed the job, and the leader it ran as.
+    until(lambda: metric(live, 'relaunch_reconcile_actions_total{action="PlaceJob"}') == 1)
+    assert metric(live, "relaunch_reconcile_pass_seconds_count") >= 1
+    assert metric(live, "relaunch_controller_leader") == 1
+    # Served once: the controller's own registry holds no second, idle copy.
+    text = live.get("/metrics", headers=bearer(SCRAPE_TOKEN)).text
+    assert text.count("# TYPE relaunch_reconcile_pass_seconds histogram") == 1
+
+
+def test_a_registration_waits_for_the_child_s_pass(live: Cluster) -> None:
+    """A registration's answer waits for a pass begun after it (across the processes):
+    the node's first heartbeat already brings a job that waited for a node."""
+    job_id = submit(live, nnodes="1:1")
+    until(lambda: live.get(f"/api/v1/jobs/{job_id}").json()["state"] == "PENDING")
+    node = register(live, "a")
+    assert placed_on(live, node) == [job_id]
+
+
+def test_a_reconciler_process_that_dies_is_started_again(live: Cluster) -> None:
+    first = child(live)
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    second = child(live, other_than=first.pid)
+    assert second.ppid() == os.getpid()
+    node = register(live, "b")
+    job_id = submit(live, nnodes="1:1")
+    assert until(lambda: placed_on(live, node)) == [job_id]
+
+
+def test_a_stopped_controller_s_child_hands_the_lease_back_and_exits(
+    live_settings: ControllerSettings,
+) -> None:
+    with Cluster(create_app(live_settings)) as api:
+        process = child(api)
+        until(lambda: metric(api, "relaunch_controller_leader") == 1)
+    assert not process.is_running()
+    engine = make_engine(live_settings.db_url)
+    try:
+        with transaction(make_session_factory(engine)) as session:
+            assert current(session, utcnow()) is None
+    finally:
+        engine.dispose()
+
+
+def test_a_killed_controller_takes_its_reconciler_process_with_it(
+    live_settings: ControllerSettings, tmp_path: Path
+) -> None:
+    """SIGKILL of the controller alone: its child must not live on, holding the lease."""
+    upgrade_to_head(live_settings.db_url)
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from service.metrics import Relayed
+        from service.reconciler_process import ReconcilerProcess
+        from service.settings import ControllerSettings
+
+        reconciler = ReconcilerProcess(ControllerSettings(), Relayed())
+        reconciler.start()
+        while reconciler.pid is None:
+            time.sleep(0.05)
+        print(reconciler.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    env = {
+        **os.environ,
+        "RELAUNCH_DATA_DIR": str(live_settings.data_dir),
+        "RELAUNCH_DATABASE_URL": live_settings.db_url,
+        "RELAUNCH_LEADER_LEASE_S": "3",
+    }
+    if live_settings.secrets_keys is not None:
+        env["RELAUNCH_SECRETS_KEYS"] = live_settings.secrets_keys.get_secret_value()
+    with subprocess.Popen(
+        [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True
+    ) as controller:
+        try:
+            assert controller.stdout is not None
+            pid = int(controller.stdout.readline())
+            process = psutil.Process(pid)
+            assert process.ppid() == controller.pid
+        finally:
+            controller.kill()
+    gone, _ = psutil.wait_procs([process], timeout=10)
+    assert gone, "the reconciler process outlived its controller"
