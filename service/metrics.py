@@ -55,6 +55,10 @@ SNAPSHOT_SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800
 UNMATCHED_ROUTE = "<unmatched>"
 
 
+LEADER = "relaunch_controller_leader"
+LEADER_HELP = "1 while this controller holds the leader lease (its reconciler acts), else 0"
+
+
 class ReconcilerMetrics:
     """The metrics of the reconciler's passes, in ``registry``: the controller's own, or,
     where the reconciler runs in a process of its own, that process's, whose samples
@@ -90,22 +94,24 @@ class ReconcilerMetrics:
             ["read"],
             registry=registry,
         )
-        self.leader = Gauge(
-            "relaunch_controller_leader",
-            "1 while this controller holds the leader lease (its reconciler acts), else 0",
-            registry=registry,
-        )
+        self.leader = Gauge(LEADER, LEADER_HELP, registry=registry)
 
 
 class Relayed(Collector):
     """Metrics collected in another process and sent here (``update``), served as last
-    received; nothing until the first."""
+    received; until the first, and after that process is gone, only
+    ``relaunch_controller_leader`` 0."""
 
     def __init__(self) -> None:
         self._metrics: list[Metric] = []
+        self.not_leading()
 
     def update(self, metrics: list[Metric]) -> None:
         self._metrics = metrics
+
+    def not_leading(self) -> None:
+        """The process that sent them is gone: its counts with it, and it leads nothing."""
+        self._metrics = [GaugeMetricFamily(LEADER, LEADER_HELP, value=0)]
 
     def collect(self) -> Iterator[Metric]:
         return iter(self._metrics)

@@ -648,15 +648,16 @@ class Reconciler:
         clock: Callable[[], datetime] = utcnow,
         metrics: ReconcilerMetrics | None = None,
         signals: PassSignals | None = None,
-        after_pass: Callable[[], None] | None = None,
+        after_pass: Callable[[list[int]], None] | None = None,
     ) -> None:
         self._factory = factory
         self._metrics = metrics
-        # Called after each pass of the loop (the child process sends its metrics then).
+        # Called after each pass of the loop with the tickets it answers (``PassSignals.ask``):
+        # the reconciler's own process sends them, and its metrics, to the controller then.
         self._after_pass = after_pass
         self._settings = settings
         self._clock = clock
-        self._signals = PassSignals.in_process() if signals is None else signals
+        self._signals = PassSignals() if signals is None else signals
         self._thread: threading.Thread | None = None
         self._leadership: Leadership | None = None
         # Set when this controller takes the lease, and again after a pass that
@@ -1038,7 +1039,7 @@ class Reconciler:
         then by the rest of the interval unless woken. ``start`` runs it on a thread."""
         signals = self._signals
         while not signals.stop.is_set():
-            signals.begin()
+            tickets = signals.begin()
             self.note_pass(utcnow())
             started, cpu_started = time.monotonic(), time.thread_time()
             try:
@@ -1047,7 +1048,7 @@ class Reconciler:
                 logger.exception("reconciler pass failed; retrying")
             signals.end()
             if self._after_pass is not None:
-                self._after_pass()
+                self._after_pass(tickets)
             settings = self._settings
             interval = settings.reconcile_interval_s
             rest = rest_after(

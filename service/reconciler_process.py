@@ -5,33 +5,39 @@ them, holding the interpreter lock for most of that; on a thread of the API's pr
 every heartbeat and report waits behind it. In a process of its own it competes with
 the API only for a core.
 
-The child is started with ``spawn`` (a fresh interpreter: the API's process has threads
-and open connections that a fork would copy), holds its own pool of connections, and
-dies with the controller (``PR_SET_PDEATHSIG``): a SIGKILLed controller leaves no
-reconciler behind to keep acting on its lease. What crosses between the two:
+The child is a new interpreter (``python -m service.reconciler_process``: the API's
+process has threads and open connections that a fork would copy) with its own pool of
+connections. It dies with the controller (``PR_SET_PDEATHSIG``), so a SIGKILLed
+controller leaves no reconciler acting on its lease. Two pipes join them, and nothing
+else is shared, so a child that dies at any moment leaves no lock held:
 
-- ``PassSignals``, shared: a submit or a registration wakes the loop, and a
-  registration waits for the pass that sees it, as on a thread;
-- the child's metrics, sent after every pass and served on the controller's
-  ``/metrics`` as last received (``service.metrics.Relayed``).
+- to the child: its settings, then wakes (``Wake``), each with the tickets of the
+  callers that wait for the pass it starts (a registration's answer does); closing it
+  stops the child, which hands the lease back;
+- from the child: after every pass, the tickets that pass answers and the child's
+  metrics (``Passed``), served on the controller's ``/metrics`` as last received
+  (``service.metrics.Relayed``).
 
 A child that dies while the controller runs is started again (after 1 s, doubling up to
-30 s while it keeps dying), with new signals: one killed while it held their lock would
-otherwise leave it held.
+30 s while it keeps dying); callers waiting on it give up after their own timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
-import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 from contract.prctl import set_parent_death_signal, set_process_name
 from service.db import make_engine, make_session_factory
@@ -46,50 +52,90 @@ PROCESS_NAME = "relaunch-recon"  # /proc/PID/comm keeps 15 bytes
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 RESPAWN_FIRST_S = 1.0
 RESPAWN_MAX_S = 30.0
-# A child that ran this long before it died starts again after RESPAWN_FIRST_S.
+# A child that ran this long before it died is started again after RESPAWN_FIRST_S.
 RESPAWN_RESET_AFTER_S = 60.0
-STOP_WAIT_S = 15.0
+STOP_WAIT_S = 10.0
 
 
-def serve(
-    settings: ControllerSettings,
-    signals: PassSignals,
-    metrics_out: Connection,
-    parent: int,
-    log_level: int,
-) -> None:
-    """The child's whole life: the reconciler's loop until the controller stops it, then
-    hand back the lease. Runs in the child (the target of ``ReconcilerProcess``)."""
+@dataclass(frozen=True)
+class Start:
+    """The controller's first message to its child."""
+
+    settings: ControllerSettings
+    log_level: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Begin a pass; ``tickets``: callers that wait for it to end."""
+
+    tickets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Passed:
+    """A pass has ended: the tickets it answers, and the child's metrics after it."""
+
+    tickets: list[int]
+    metrics: list[Metric]
+
+
+def main(argv: list[str]) -> None:
+    """The child: ``python -m service.reconciler_process FROM_FD TO_FD PARENT_PID``."""
+    from_controller, to_controller, parent = (int(a) for a in argv)
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the controller died before the line above
         return
     set_process_name(PROCESS_NAME)
     # A terminal's Ctrl-C, or a service manager's SIGTERM to every process of the
-    # controller, is the controller's to handle: it stops this loop through ``signals``.
+    # controller, is the controller's to handle: it stops this child by closing the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    inbox = Connection(from_controller, writable=False)
+    outbox = Connection(to_controller, readable=False)
+    start: Start = inbox.recv()
+    logging.basicConfig(level=start.log_level, format=LOG_FORMAT)
+    serve(start.settings, inbox, outbox)
+
+
+def serve(settings: ControllerSettings, inbox: Connection, outbox: Connection) -> None:
+    """The reconciler's loop until the controller closes ``inbox``, then hand back the
+    lease."""
+    signals = PassSignals()
+    listener = threading.Thread(target=_listen, args=(inbox, signals), name="wakes", daemon=True)
+    listener.start()
     engine = make_engine(settings.db_url, RESERVED_CONNECTIONS)
     registry = CollectorRegistry()
 
-    def send_metrics() -> None:
+    def after_pass(tickets: list[int]) -> None:
         try:
-            metrics_out.send(list(registry.collect()))
-        except (BrokenPipeError, ConnectionResetError):  # the controller is going away
-            signals.stop.set()
+            outbox.send(Passed(tickets, list(registry.collect())))
+        except OSError:  # the controller is gone
+            signals.request_stop()
 
     reconciler = Reconciler(
         make_session_factory(engine),
         settings,
         metrics=ReconcilerMetrics(registry),
         signals=signals,
-        after_pass=send_metrics,
+        after_pass=after_pass,
     )
     try:
         reconciler.loop()
     finally:
         reconciler.stop()  # hands the lease back, so a standby takes over at once
         engine.dispose()
+
+
+def _listen(inbox: Connection, signals: PassSignals) -> None:
+    """Pass the controller's wakes on to the loop; stop it once the controller closes."""
+    try:
+        while True:
+            wake: Wake = inbox.recv()
+            signals.ask(wake.tickets, waiting=bool(wake.tickets))
+    except (EOFError, OSError):
+        pass
+    signals.request_stop()
 
 
 class ReconcilerProcess:
@@ -99,93 +145,182 @@ class ReconcilerProcess:
     def __init__(self, settings: ControllerSettings, relayed: Relayed) -> None:
         self._settings = settings
         self._relayed = relayed
-        self._context = multiprocessing.get_context("spawn")
-        self._signals = PassSignals.across_processes(self._context)
+        self._tickets = itertools.count(1)
+        self._lock = threading.Lock()  # guards the fields below
+        self._waiting: dict[int, threading.Event] = {}  # callers waiting for a pass
+        self._unsent: list[int] = []  # their tickets, not yet sent
+        self._wake_unsent = False
+        self._child: subprocess.Popen[bytes] | None = None
+        self._outbox: Connection | None = None
+        # Held while sending to the child, and to close its pipe (never both at once).
+        self._send_lock = threading.Lock()
+        self._to_send = threading.Event()
         self._stopping = threading.Event()
-        self._started = threading.Event()
-        self._process: BaseProcess | None = None
-        self._watcher: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def pid(self) -> int | None:
         """The child's pid while one runs."""
-        process = self._process
-        return process.pid if process is not None and process.is_alive() else None
+        child = self._child
+        return child.pid if child is not None and child.poll() is None else None
 
     def start(self) -> None:
         # The watcher starts every child: the kernel's parent-death signal follows the
         # thread that forked, so that thread must live as long as the controller.
-        self._watcher = threading.Thread(target=self._watch, name="reconciler-watch", daemon=True)
-        self._watcher.start()
-        self._started.wait(STOP_WAIT_S)
+        self._threads = [
+            threading.Thread(target=self._watch, name="reconciler-watch", daemon=True),
+            threading.Thread(target=self._send, name="reconciler-wakes", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def wake(self, wait_s: float = 0.0) -> bool:
-        return self._signals.wake(wait_s)
+        """As ``PassSignals.wake``: never blocks on the child; a wake sent while no child
+        runs is lost, and the next child's first pass comes at once anyway."""
+        done = threading.Event() if wait_s > 0 else None
+        with self._lock:
+            self._wake_unsent = True
+            if done is not None:
+                ticket = next(self._tickets)
+                self._waiting[ticket] = done
+                self._unsent.append(ticket)
+        self._to_send.set()
+        if done is None:
+            return False
+        try:
+            return done.wait(wait_s)
+        finally:
+            with self._lock:
+                self._waiting.pop(ticket, None)
 
     def stop(self) -> None:
-        """Stop the child's loop (it hands the lease back), and wait for it to exit."""
+        """Close the child's pipe (its loop ends and hands the lease back) and wait for it
+        to exit; kill it after ``STOP_WAIT_S``."""
         self._stopping.set()
-        self._signals.request_stop()
-        process = self._process
-        if process is not None:
-            process.join(STOP_WAIT_S)
-            if process.is_alive():
-                logger.warning(
-                    "the reconciler process did not stop in %g s; killing it", STOP_WAIT_S
-                )
-                process.kill()
-                process.join()
-        if self._watcher is not None:
-            self._watcher.join(STOP_WAIT_S)
+        self._to_send.set()
+        self._close_outbox()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        child = self._child
+        if child is not None and child.poll() is None:
+            logger.warning("the reconciler process did not stop in %g s; killed", STOP_WAIT_S)
+            child.kill()
+            child.wait()
 
-    def _spawn(self) -> Connection:
-        receive, send = self._context.Pipe(duplex=False)
-        process = self._context.Process(
-            target=serve,
-            args=(
-                self._settings,
-                self._signals,
-                send,
-                os.getpid(),
-                logging.getLogger().getEffectiveLevel(),
-            ),
-            name="reconciler",
-            daemon=True,
-        )
-        process.start()
-        send.close()  # the child holds the other end: its exit ends ``recv`` here
-        self._process = process
-        logger.info("reconciler running in process %s", process.pid)
-        return receive
+    def _close_outbox(self) -> None:
+        with self._lock:
+            outbox, self._outbox = self._outbox, None
+        if outbox is None:
+            return
+        # A send under way finishes first; one stuck (a stopped child) keeps the pipe open,
+        # and the child is killed instead.
+        if self._send_lock.acquire(timeout=1.0):
+            try:
+                outbox.close()
+            finally:
+                self._send_lock.release()
+
+    def _send(self) -> None:
+        """Send wakes as they come, those that came meanwhile in one message."""
+        while not self._stopping.is_set():
+            self._to_send.wait()
+            self._to_send.clear()
+            with self._lock:
+                if not self._wake_unsent or self._outbox is None:
+                    continue
+                outbox, wake = self._outbox, Wake(tuple(self._unsent))
+                self._unsent, self._wake_unsent = [], False
+            with self._send_lock, contextlib.suppress(OSError):  # gone: the watcher sees
+                outbox.send(wake)
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], Connection]:
+        from_controller, to_child = os.pipe()  # each (read end, write end)
+        from_child, to_controller = os.pipe()
+        try:
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    str(from_controller),
+                    str(to_controller),
+                    str(os.getpid()),
+                ],
+                pass_fds=(from_controller, to_controller),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            for fd in (to_child, from_child):
+                os.close(fd)
+            raise
+        finally:
+            os.close(from_controller)
+            os.close(to_controller)
+        outbox = Connection(to_child, readable=False)
+        with contextlib.suppress(OSError):
+            outbox.send(Start(self._settings, logging.getLogger().getEffectiveLevel()))
+        with self._lock:
+            self._child, self._outbox = child, outbox
+        if self._stopping.is_set():  # ``stop`` came while this one started
+            self._close_outbox()
+        logger.info("reconciler running in process %s", child.pid)
+        return child, Connection(from_child, writable=False)
 
     def _watch(self) -> None:
         delay = RESPAWN_FIRST_S
         while not self._stopping.is_set():
             began = time.monotonic()
-            receive = self._spawn()
-            self._started.set()
             try:
-                while True:
-                    self._relayed.update(receive.recv())
-            except (EOFError, OSError):
-                pass
-            finally:
-                receive.close()
-            process = self._process
-            assert process is not None
-            process.join()
-            self._relayed.update([])
+                child, inbox = self._spawn()
+            except Exception:
+                logger.exception("could not start the reconciler process; again in %g s", delay)
+                self._stopping.wait(delay)
+                delay = min(delay * 2, RESPAWN_MAX_S)
+                continue
+            self._hear(inbox)
+            self._close_outbox()
+            try:
+                code = child.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = child.wait()
+            self._relayed.not_leading()
             if self._stopping.is_set():
                 return
             if time.monotonic() - began > RESPAWN_RESET_AFTER_S:
                 delay = RESPAWN_FIRST_S
             logger.error(
                 "the reconciler process %s exited (code %s); starting another in %g s",
-                process.pid,
-                process.exitcode,
+                child.pid,
+                code,
                 delay,
             )
             self._stopping.wait(delay)
             delay = min(delay * 2, RESPAWN_MAX_S)
-            # A child killed while it held the signals' lock left it held: new ones.
-            self._signals = PassSignals.across_processes(self._context)
+
+    def _hear(self, inbox: Connection) -> None:
+        """Read the child's passes until it closes its end (exits)."""
+        try:
+            while True:
+                passed: Passed = inbox.recv()
+                self._relayed.update(passed.metrics)
+                with self._lock:
+                    answered = [self._waiting.get(t) for t in passed.tickets]
+                for done in answered:
+                    if done is not None:
+                        done.set()
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            logger.exception("unreadable message from the reconciler process")
+        finally:
+            inbox.close()
+
+
+if __name__ == "__main__":
+    # Run as imported, not as __main__: the messages' classes must pickle under the names
+    # the controller knows them by.
+    from service import reconciler_process
+
+    reconciler_process.main(sys.argv[1:])

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -110,8 +111,8 @@ def test_the_reconciler_runs_in_a_child_process_that_places_jobs_and_sends_its_m
 def test_a_registration_waits_for_the_child_s_pass(live: Cluster) -> None:
     """A registration's answer waits for a pass begun after it (across the processes):
     the node's first heartbeat already brings a job that waited for a node."""
+    until(lambda: metric(live, "relaunch_controller_leader") == 1)  # the child leads
     job_id = submit(live, nnodes="1:1")
-    until(lambda: live.get(f"/api/v1/jobs/{job_id}").json()["state"] == "PENDING")
     node = register(live, "a")
     assert placed_on(live, node) == [job_id]
 
@@ -125,6 +126,29 @@ def test_a_reconciler_process_that_dies_is_started_again(live: Cluster) -> None:
     node = register(live, "b")
     job_id = submit(live, nnodes="1:1")
     assert until(lambda: placed_on(live, node)) == [job_id]
+
+
+def test_wakes_never_wait_on_a_reconciler_process_that_died(live: Cluster) -> None:
+    """A child killed as it rests between passes (where it spends most of its life) leaves
+    nothing a wake could block on: every wake, waiting or not, returns, and a registration
+    waiting for a pass is answered by the next child."""
+    reconciler = live.app.state.reconciler  # type: ignore[attr-defined]
+    until(lambda: metric(live, "relaunch_controller_leader") == 1)
+    first = child(live)
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    answers: list[bool] = []
+    wakes = threading.Thread(
+        target=lambda: answers.extend(reconciler.wake(w) for w in (0.0, 0.2, 0.0, 0.2)),
+        daemon=True,
+    )
+    wakes.start()
+    wakes.join(30)
+    assert not wakes.is_alive(), "a wake blocked on the dead reconciler process"
+    assert answers[0] is False and answers[2] is False  # wakes that do not wait
+    child(live, other_than=first.pid)
+    until(lambda: metric(live, "relaunch_controller_leader") == 1)
+    assert reconciler.wake(30.0), "the new child answers a wake that waits"
 
 
 def test_a_stopped_controller_s_child_hands_the_lease_back_and_exits(
