@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import multiprocessing
@@ -90,6 +91,9 @@ class Options:
     # registration key (as agents' do).
     register_timeout_s: float = REGISTER_TIMEOUT_S
     registration_key: bool = True
+    # RELAUNCH_RECONCILER_PROCESS: the reconciler in a child process (the default) or on a
+    # thread of the API's process.
+    reconciler_process: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,10 @@ def run(options: Options) -> dict[str, Any]:
 @contextmanager
 def started_controller(options: Options, work: Path, metrics_token: str) -> Iterator[LocalCluster]:
     """A controller on a database of its own (PostgreSQL: a fresh one, dropped after)."""
-    env = {"RELAUNCH_METRICS_TOKEN": metrics_token}
+    env = {
+        "RELAUNCH_METRICS_TOKEN": metrics_token,
+        "RELAUNCH_RECONCILER_PROCESS": "true" if options.reconciler_process else "false",
+    }
     if options.heartbeats_per_s_max is not None:
         env["RELAUNCH_HEARTBEATS_PER_S_MAX"] = f"{options.heartbeats_per_s_max:g}"
     database = None
@@ -199,7 +206,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         try:
             pool.starmap(time.sleep, [(0,)] * options.readers)  # the readers are up
             before = await _scrape(http, metrics_token)
-            cpu_before, my_cpu_before = _cpu(controller), _cpu(me)
+            cpu_before, my_cpu_before = _cpu_split(controller), _cpu(me)
             start = time.monotonic()
             until[0] = start + options.seconds
             stats.reset()
@@ -214,7 +221,9 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 *serving,
             )
             wall = time.monotonic() - start
-            cpu, my_cpu = _cpu(controller) - cpu_before, _cpu(me) - my_cpu_before
+            cpu_after = _cpu_split(controller)
+            cpu = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
+            my_cpu = _cpu(me) - my_cpu_before
             try:
                 after = await asyncio.wait_for(_scrape(http, metrics_token), 30.0)
                 metrics_s = time.monotonic() - start
@@ -377,13 +386,31 @@ def _read(
 
 async def _sample_rss(process: psutil.Process, until: float, into: list[int]) -> None:
     while time.monotonic() < until:
-        into.append(process.memory_info().rss)
+        into.append(_rss_tree(process))
         await asyncio.sleep(1.0)
 
 
 def _cpu(process: psutil.Process) -> float:
     times = process.cpu_times()
     return float(times.user + times.system)
+
+
+def _cpu_split(controller: psutil.Process) -> tuple[float, float]:
+    """CPU seconds of the controller's own process, and of its children (the reconciler's
+    process, unless it runs on a thread)."""
+    children = 0.0
+    for child in controller.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children += _cpu(child)
+    return _cpu(controller), children
+
+
+def _rss_tree(process: psutil.Process) -> int:
+    total = process.memory_info().rss
+    for child in process.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += child.memory_info().rss
+    return int(total)
 
 
 async def _scrape(http: httpx.AsyncClient, token: str) -> Samples:
@@ -442,7 +469,7 @@ def _result(
     stats: FleetStats,
     reads: list[dict[str, Any]],
     wall: float,
-    cpu: float,
+    cpu: tuple[float, float],
     my_cpu: float,
     rss: list[int],
     submit_s: float,
@@ -523,7 +550,8 @@ def _result(
             for s in ("ALIVE", "LOST", "LEFT")
         },
         "controller": {
-            "cpu_share_of_one_core": cpu / wall,
+            "cpu_share_of_one_core": sum(cpu) / wall,
+            "reconciler_process_cpu_share_of_one_core": cpu[1] / wall,
             "rss_mib_max": max(rss, default=0) / 2**20,
             "rss_mib_end": (rss[-1] if rss else 0) / 2**20,
         },
@@ -600,7 +628,9 @@ def print_table(result: dict[str, Any]) -> None:
         + ", ".join(f"{k} {v:.0f}" for k, v in result["nodes_by_state_at_end"].items() if v)
     )
     console.print(
-        f"controller: CPU {100 * ctl['cpu_share_of_one_core']:.0f} % of one core, RSS max "
+        f"controller: CPU {100 * ctl['cpu_share_of_one_core']:.0f} % of one core (its "
+        f"reconciler's process {100 * ctl['reconciler_process_cpu_share_of_one_core']:.0f} %), "
+        f"RSS max "
         f"{ctl['rss_mib_max']:.0f} MiB; this bench's own CPU "
         f"{100 * result['bench_client_cpu_share_of_one_core']:.0f} % of one core. Setup: "
         f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
@@ -666,6 +696,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="first run the same load with every node told the base interval (no pace)",
     )
+    parser.add_argument(
+        "--baseline-reconciler-thread",
+        action="store_true",
+        help="first run the same load with the reconciler on a thread of the API's process",
+    )
     args = parser.parse_args(argv)
     options = Options(
         nodes=args.nodes,
@@ -692,6 +727,14 @@ def main(argv: list[str] | None = None) -> None:
             "paced": run(options),
         }
         side_by_side = print_side_by_side
+    elif args.baseline_reconciler_thread:
+        runs = {
+            "reconciler thread": run(replace(options, reconciler_process=False)),
+            "reconciler process": run(options),
+        }
+        side_by_side = functools.partial(
+            print_side_by_side, title="the reconciler's thread or process: the same load"
+        )
     else:
         runs = {"": run(options)}
         side_by_side = None
@@ -723,6 +766,13 @@ def print_registrations(runs: dict[str, dict[str, Any]]) -> None:
     _print_columns("the fleet's registrations: the same load, back to back", runs, rows)
 
 
+def _reads(result: dict[str, Any], phase: str) -> str:
+    for read in result["reads"]:
+        if read["phase"] == phase:
+            return f"{read['per_s']:.0f}, {read['p99_ms']:.0f}"
+    return "-"
+
+
 def _pair(figures: dict[str, Any], prefix: str = "") -> str:
     return f"{figures[prefix + 'p50_ms']:.1f} / {figures[prefix + 'p99_ms']:.1f}"
 
@@ -731,8 +781,10 @@ def _pair(figures: dict[str, Any], prefix: str = "") -> str:
 FIXED_INTERVAL_BUDGET = 100_000.0
 
 
-def print_side_by_side(runs: dict[str, dict[str, Any]]) -> None:
-    """The figures the pace changes, one column per run."""
+def print_side_by_side(
+    runs: dict[str, dict[str, Any]], title: str = "heartbeat pace: the same load"
+) -> None:
+    """The figures of the load, one column per run."""
     rows: list[Row] = [
         ("interval told (longest)", lambda r: f"{r['heartbeat']['interval_told_s_max']:.1f} s"),
         ("heartbeats answered /s", lambda r: f"{r['heartbeat']['per_s']:.0f}"),
@@ -746,10 +798,16 @@ def print_side_by_side(runs: dict[str, dict[str, Any]]) -> None:
         ("jobs placed", lambda r: f"{r['jobs']['placed']}"),
         ("runs succeeded", lambda r: f"{r['jobs']['runs_succeeded']}"),
         ("nodes LOST at the end", lambda r: f"{r['nodes_by_state_at_end']['LOST']:.0f}"),
+        ("report p50 / p99, nodes' side (ms)", lambda r: _pair(r["reports"])),
+        ("job detail reads/s, p99 (ms)", lambda r: _reads(r, "job detail")),
+        ("job detail, If-None-Match: reads/s, p99 (ms)",
+         lambda r: _reads(r, "job detail, If-None-Match")),
         ("controller CPU (share of a core)",
          lambda r: f"{100 * r['controller']['cpu_share_of_one_core']:.0f} %"),
+        ("of it the reconciler's process",
+         lambda r: f"{100 * r['controller']['reconciler_process_cpu_share_of_one_core']:.0f} %"),
     ]  # fmt: skip
-    _print_columns("heartbeat pace: the same load, back to back", runs, rows)
+    _print_columns(f"{title}, back to back", runs, rows)
 
 
 def _print_columns(title: str, runs: dict[str, dict[str, Any]], rows: list[Row]) -> None:

@@ -5,7 +5,7 @@ them, holding the interpreter lock for most of that; on a thread of the API's pr
 every heartbeat and report waits behind it. In a process of its own it competes with
 the API only for a core.
 
-The child is a new interpreter (``python -m service.reconciler_process``: the API's
+The child is a new interpreter (``python -c``, ``CHILD_MAIN``: the API's
 process has threads and open connections that a fork would copy) with its own pool of
 connections. It dies with the controller (``PR_SET_PDEATHSIG``), so a SIGKILLed
 controller leaves no reconciler acting on its lease. Two pipes join them, and nothing
@@ -55,6 +55,9 @@ RESPAWN_MAX_S = 30.0
 # A child that ran this long before it died is started again after RESPAWN_FIRST_S.
 RESPAWN_RESET_AFTER_S = 60.0
 STOP_WAIT_S = 10.0
+# The child's command: this module imported (not run as __main__, so that the messages'
+# classes pickle under the names the controller knows them by), then ``main``.
+CHILD_MAIN = "import sys; from service.reconciler_process import main; main(sys.argv[1:])"
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Passed:
 
 
 def main(argv: list[str]) -> None:
-    """The child: ``python -m service.reconciler_process FROM_FD TO_FD PARENT_PID``."""
+    """The child (``CHILD_MAIN``), with the arguments FROM_FD TO_FD PARENT_PID."""
     from_controller, to_controller, parent = (int(a) for a in argv)
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the controller died before the line above
@@ -241,8 +244,8 @@ class ReconcilerProcess:
             child = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    __name__,
+                    "-c",
+                    CHILD_MAIN,
                     str(from_controller),
                     str(to_controller),
                     str(os.getpid()),
@@ -316,11 +319,3 @@ class ReconcilerProcess:
             logger.exception("unreadable message from the reconciler process")
         finally:
             inbox.close()
-
-
-if __name__ == "__main__":
-    # Run as imported, not as __main__: the messages' classes must pickle under the names
-    # the controller knows them by.
-    from service import reconciler_process
-
-    reconciler_process.main(sys.argv[1:])

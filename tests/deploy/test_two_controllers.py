@@ -192,7 +192,7 @@ def test_a_job_trains_on_through_the_death_of_the_leaders_host(
     killed = _kill_host(leader)
     # The rendezvous is kept in the database: the controller starts no store, nor any
     # other process that a job would lose with its host, only its reconciler's.
-    assert len(killed) == 2 and "service.reconciler_process" in killed[1], killed
+    assert len(killed) == 2 and "reconciler_process" in killed[1], killed
 
     with standby.client() as client:
         step_at_kill = client.job(job_id)["last_step"]
