@@ -57,7 +57,14 @@ RESPAWN_RESET_AFTER_S = 60.0
 STOP_WAIT_S = 10.0
 # The child's command: this module imported (not run as __main__, so that the messages'
 # classes pickle under the names the controller knows them by), then ``main``.
-CHILD_MAIN = "import sys; from service.reconciler_process import main; main(sys.argv[1:])"
+# A terminal's Ctrl-C, or a service manager's SIGTERM to every process of the controller,
+# is the controller's to handle (it stops the child by closing the pipe): ignored from the
+# child's first line, before its imports.
+CHILD_MAIN = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "import sys; from service.reconciler_process import main; main(sys.argv[1:])"
+)
 
 
 @dataclass(frozen=True)
@@ -90,13 +97,12 @@ def main(argv: list[str]) -> None:
     if os.getppid() != parent:  # the controller died before the line above
         return
     set_process_name(PROCESS_NAME)
-    # A terminal's Ctrl-C, or a service manager's SIGTERM to every process of the
-    # controller, is the controller's to handle: it stops this child by closing the pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox = Connection(from_controller, writable=False)
     outbox = Connection(to_controller, readable=False)
-    start: Start = inbox.recv()
+    try:
+        start: Start = inbox.recv()
+    except EOFError:  # the controller stopped as this child started
+        return
     logging.basicConfig(level=start.log_level, format=LOG_FORMAT)
     serve(start.settings, inbox, outbox)
 
@@ -244,6 +250,7 @@ class ReconcilerProcess:
             child = subprocess.Popen(
                 [
                     sys.executable,
+                    "-P",  # nothing imported from the working directory
                     "-c",
                     CHILD_MAIN,
                     str(from_controller),
@@ -261,14 +268,23 @@ class ReconcilerProcess:
             os.close(from_controller)
             os.close(to_controller)
         outbox = Connection(to_child, readable=False)
-        with contextlib.suppress(OSError):
-            outbox.send(Start(self._settings, logging.getLogger().getEffectiveLevel()))
+        inbox = Connection(from_child, writable=False)
+        try:
+            with contextlib.suppress(OSError):  # it died at once: the watcher sees
+                outbox.send(Start(self._settings, logging.getLogger().getEffectiveLevel()))
+        except BaseException:
+            child.kill()
+            child.wait()
+            outbox.close()
+            inbox.close()
+            raise
         with self._lock:
             self._child, self._outbox = child, outbox
         if self._stopping.is_set():  # ``stop`` came while this one started
             self._close_outbox()
+        self._to_send.set()  # wakes that came while no child ran: its first pass answers them
         logger.info("reconciler running in process %s", child.pid)
-        return child, Connection(from_child, writable=False)
+        return child, inbox
 
     def _watch(self) -> None:
         delay = RESPAWN_FIRST_S

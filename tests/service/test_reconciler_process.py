@@ -154,7 +154,10 @@ def test_wakes_never_wait_on_a_reconciler_process_that_died(live: Cluster) -> No
 def test_a_stopped_controller_s_child_hands_the_lease_back_and_exits(
     live_settings: ControllerSettings,
 ) -> None:
-    with Cluster(create_app(live_settings)) as api:
+    # A lease that outlasts the controller's wait for its child: free after the stop only
+    # if the child handed it back, not because it expired.
+    lasting = live_settings.model_copy(update={"leader_lease_s": 120.0})
+    with Cluster(create_app(lasting)) as api:
         process = child(api)
         until(lambda: metric(api, "relaunch_controller_leader") == 1)
     assert not process.is_running()
@@ -202,7 +205,13 @@ def test_a_killed_controller_takes_its_reconciler_process_with_it(
             pid = int(controller.stdout.readline())
             process = psutil.Process(pid)
             assert process.ppid() == controller.pid
+            until(lambda: process.name() == PROCESS_NAME)  # named after it set the signal
+            # Stopped, it cannot see its pipe close and end itself: only the kernel's
+            # parent-death signal (SIGKILL, which a stopped process does not hold off) ends it.
+            process.send_signal(signal.SIGSTOP)
         finally:
             controller.kill()
-    gone, _ = psutil.wait_procs([process], timeout=10)
+    gone, alive = psutil.wait_procs([process], timeout=10)
+    for left in alive:
+        left.kill()
     assert gone, "the reconciler process outlived its controller"
