@@ -440,6 +440,29 @@ def buckets(before: Samples, after: Samples, name: str, **labels: str) -> list[t
     return sorted(found)
 
 
+def gc_pauses(before: Samples, after: Samples) -> dict[str, dict[str, float]]:
+    """The API process's garbage collections over the run, by generation: how many, their
+    total and p99 time (``relaunch_gc_pause_seconds``)."""
+    found = {}
+    for generation in ("0", "1", "2"):
+        name = "relaunch_gc_pause_seconds"
+        found[generation] = {
+            "count": _delta(before, after, f"{name}_count", generation=generation),
+            "total_ms": 1000 * _delta(before, after, f"{name}_sum", generation=generation),
+            "p99_ms": 1000
+            * histogram_quantile(0.99, buckets(before, after, name, generation=generation)),
+        }
+    return found
+
+
+def _gc_line(controller: dict[str, Any]) -> str:
+    pauses = controller["gc_pauses"]
+    return "; ".join(
+        f"gen {g}: {p['count']:.0f}, {p['total_ms']:.0f} ms, p99 {p['p99_ms']:.0f} ms"
+        for g, p in pauses.items()
+    )
+
+
 def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float:
     """Prometheus' estimate: linear within the bucket the rank falls in; the largest
     finite bound if it falls in +Inf; NaN with no observations."""
@@ -554,6 +577,7 @@ def _result(
             "reconciler_process_cpu_share_of_one_core": cpu[1] / wall,
             "rss_mib_max": max(rss, default=0) / 2**20,
             "rss_mib_end": (rss[-1] if rss else 0) / 2**20,
+            "gc_pauses": gc_pauses(before, after),
         },
         "bench_client_cpu_share_of_one_core": my_cpu / wall,
         "errors": stats.errors,
@@ -636,6 +660,7 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
         f"{result['setup']['register_s']:.1f} s"
     )
+    console.print(f"garbage collections of the API's process (count, time): {_gc_line(ctl)}")
     regs, setup = result["setup"]["registrations"], result["setup"]
     console.print(
         f"registrations (each try waits {setup['register_timeout_s']:g} s, registration key "
@@ -766,6 +791,10 @@ def print_registrations(runs: dict[str, dict[str, Any]]) -> None:
     _print_columns("the fleet's registrations: the same load, back to back", runs, rows)
 
 
+def _gen2(pauses: dict[str, float]) -> str:
+    return f"{pauses['count']:.0f}, {pauses['total_ms']:.0f}, {pauses['p99_ms']:.0f}"
+
+
 def _reads(result: dict[str, Any], phase: str) -> str:
     for read in result["reads"]:
         if read["phase"] == phase:
@@ -806,6 +835,8 @@ def print_side_by_side(
          lambda r: f"{100 * r['controller']['cpu_share_of_one_core']:.0f} %"),
         ("of it the reconciler's process",
          lambda r: f"{100 * r['controller']['reconciler_process_cpu_share_of_one_core']:.0f} %"),
+        ("gen 2 garbage collections: count, total, p99 (ms)",
+         lambda r: _gen2(r["controller"]["gc_pauses"]["2"])),
     ]  # fmt: skip
     _print_columns(f"{title}, back to back", runs, rows)
 

@@ -131,7 +131,8 @@ def create_app(
             app.state.wake_reconciler = reconciler.wake
         logger.info("controller ready on %s:%s", settings.host, settings.port)
         try:
-            yield
+            with controller_metrics.gc_pauses.installed():
+                yield
         finally:
             reconciler.stop()
             engine.dispose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,23 @@ def test_a_heartbeat_moves_the_heartbeat_histogram(api: Cluster) -> None:
     assert value(after, "relaunch_http_request_seconds_count", **labels) >= 2
     routes = {dict(key[1]).get("route") for key in after if key[0].startswith("relaunch_http")}
     assert f"/api/v1/nodes/{node_id}/heartbeat" not in routes
+
+
+def test_garbage_collections_are_timed_while_the_app_runs(
+    settings: ControllerSettings, clock: FakeClock
+) -> None:
+    """Each collection of the API's process is timed by generation, and the timer is
+    gone from ``gc.callbacks`` once the app has stopped."""
+    app = create_app(settings, clock=clock, run_background=False)
+    pauses = app.state.metrics.gc_pauses  # type: ignore[attr-defined]
+    with Cluster(app) as api:
+        before = value(scrape(api), "relaunch_gc_pause_seconds_count", generation="2")
+        gc.collect()
+        gc.collect()
+        after = value(scrape(api), "relaunch_gc_pause_seconds_count", generation="2")
+        assert after >= before + 2
+        assert pauses in gc.callbacks
+    assert pauses not in gc.callbacks
 
 
 def test_unmatched_paths_share_one_label(api: Cluster) -> None:
