@@ -94,6 +94,8 @@ class Options:
     # RELAUNCH_RECONCILER_PROCESS: the reconciler in a child process (the default) or on a
     # thread of the API's process.
     reconciler_process: bool = True
+    # RELAUNCH_GC_FREEZE: what the controller made at start left out of garbage collections.
+    gc_freeze: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
     env = {
         "RELAUNCH_METRICS_TOKEN": metrics_token,
         "RELAUNCH_RECONCILER_PROCESS": "true" if options.reconciler_process else "false",
+        "RELAUNCH_GC_FREEZE": "true" if options.gc_freeze else "false",
     }
     if options.heartbeats_per_s_max is not None:
         env["RELAUNCH_HEARTBEATS_PER_S_MAX"] = f"{options.heartbeats_per_s_max:g}"
@@ -726,6 +729,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="first run the same load with the reconciler on a thread of the API's process",
     )
+    parser.add_argument(
+        "--baseline-no-gc-freeze",
+        action="store_true",
+        help="first run the same load with every object of the controller's start collected",
+    )
     args = parser.parse_args(argv)
     options = Options(
         nodes=args.nodes,
@@ -759,6 +767,11 @@ def main(argv: list[str] | None = None) -> None:
         }
         side_by_side = functools.partial(
             print_side_by_side, title="the reconciler's thread or process: the same load"
+        )
+    elif args.baseline_no_gc_freeze:
+        runs = {"no gc freeze": run(replace(options, gc_freeze=False)), "gc freeze": run(options)}
+        side_by_side = functools.partial(
+            print_side_by_side, title="the start's objects collected or frozen: the same load"
         )
     else:
         runs = {"": run(options)}

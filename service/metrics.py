@@ -16,11 +16,9 @@ API's label is the route's path template (``/api/v1/jobs/{job_id}``), never the 
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from prometheus_client import (
@@ -42,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.events import SnapshotSaved
 from service.db import transaction
+from service.gc_pauses import GcPauses
 from service.models import Job, Node
 from service.states import JobState, NodeState
 
@@ -119,39 +118,6 @@ class Relayed(Collector):
         return iter(self._metrics)
 
 
-class GcPauses:
-    """Times each run of Python's cyclic garbage collector into ``histogram``, by
-    generation: while one runs, no thread of the process runs Python, so a heartbeat
-    being answered waits it out. A ``gc.callbacks`` entry while it is ``installed``."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.histogram = Histogram(
-            "relaunch_gc_pause_seconds",
-            "Time of one collection of Python's cyclic garbage collector in the API's "
-            "process, by generation (2: every tracked object); no request runs meanwhile",
-            ["generation"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.histogram.labels(str(info["generation"])).observe(
-                time.perf_counter() - self._started
-            )
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        gc.callbacks.append(self)
-        try:
-            yield
-        finally:
-            gc.callbacks.remove(self)
-
-
 class ControllerMetrics:
     """Every metric of one controller process, in a registry of its own (two apps in one
     process, as in the tests, do not share counts)."""
@@ -195,7 +161,7 @@ class ControllerMetrics:
             buckets=SNAPSHOT_SECONDS_BUCKETS,
             registry=self.registry,
         )
-        self.gc_pauses = GcPauses(self.registry)
+        self.gc_pauses = GcPauses(self.registry, LATENCY_BUCKETS)
         if read_factory is not None:
             self.registry.register(ClusterCollector(read_factory))
 

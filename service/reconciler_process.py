@@ -41,6 +41,7 @@ from prometheus_client.core import Metric
 
 from contract.prctl import set_parent_death_signal, set_process_name
 from service.db import make_engine, make_session_factory
+from service.gc_pauses import freeze_what_started
 from service.metrics import ReconcilerMetrics, Relayed
 from service.passes import PassSignals
 from service.reconciler import Reconciler
@@ -129,6 +130,8 @@ def serve(settings: ControllerSettings, inbox: Connection, outbox: Connection) -
         signals=signals,
         after_pass=after_pass,
     )
+    if settings.gc_freeze:
+        freeze_what_started()
     try:
         reconciler.loop()
     finally:

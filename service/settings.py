@@ -111,6 +111,13 @@ class ControllerSettings(BaseSettings):
         "that they do not take the interpreter lock from the API's threads; false: on a "
         "thread of the API's process (also the case for an in-memory SQLite database)",
     )
+    gc_freeze: bool = Field(
+        default=True,
+        description="Once the controller has started, move every object it holds then "
+        "(modules, classes, tables: about 150,000) out of reach of Python's garbage "
+        "collector, so that a full collection, during which no request runs, does not "
+        "scan them again and again; in the reconciler's process too",
+    )
     share_gpu_nodes_across_users: bool = Field(
         default=False,
         description="Let CUDA jobs of different users share a node (each on GPUs of its "

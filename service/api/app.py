@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
+from service.gc_pauses import freeze_what_started
 from service.heartbeats import Answers, Pace, count_alive
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
@@ -129,11 +131,16 @@ def create_app(
         if run_background:
             reconciler.start()
             app.state.wake_reconciler = reconciler.wake
+        frozen = settings.gc_freeze and run_background
+        if frozen:
+            freeze_what_started()
         logger.info("controller ready on %s:%s", settings.host, settings.port)
         try:
             with controller_metrics.gc_pauses.installed():
                 yield
         finally:
+            if frozen:
+                gc.unfreeze()
             reconciler.stop()
             engine.dispose()
             read_engine.dispose()

@@ -5,6 +5,7 @@ with a controller that is killed."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -106,6 +107,18 @@ def test_the_reconciler_runs_in_a_child_process_that_places_jobs_and_sends_its_m
     # Served once: the controller's own registry holds no second, idle copy.
     text = live.get("/metrics", headers=bearer(SCRAPE_TOKEN)).text
     assert text.count("# TYPE relaunch_reconcile_pass_seconds histogram") == 1
+
+
+def test_what_the_controller_made_at_start_is_left_out_of_garbage_collections(
+    live_settings: ControllerSettings,
+) -> None:
+    """RELAUNCH_GC_FREEZE: frozen while the controller serves (a full collection then
+    scans only what came since), unfrozen once it stops; not at all when turned off."""
+    with Cluster(create_app(live_settings)):
+        assert gc.get_freeze_count() > 10_000  # the service's modules, classes and tables
+    assert gc.get_freeze_count() == 0
+    with Cluster(create_app(live_settings.model_copy(update={"gc_freeze": False}))):
+        assert gc.get_freeze_count() == 0
 
 
 def test_a_registration_waits_for_the_child_s_pass(live: Cluster) -> None:
