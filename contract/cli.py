@@ -25,6 +25,8 @@ from pydantic_settings import BaseSettings
 from rich.console import Console
 from rich.markup import escape
 
+from contract.logs import LOG_FORMAT
+
 COMMANDS_GROUP = "relaunch.cli"
 HEALTH_CHECKS_GROUP = "relaunch.healthcheck"
 
@@ -36,7 +38,7 @@ LogLevelOption = Annotated[str, typer.Option(help="Logging level: debug, info, w
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 

@@ -66,7 +66,6 @@ class ReconcilerMetrics:
     reach the controller's ``/metrics`` through ``Relayed``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
         self.reconcile_pass = Histogram(
             "relaunch_reconcile_pass_seconds",
             "Time of one reconciler pass of the leading controller: read the database, "

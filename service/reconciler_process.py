@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from contract.logs import LOG_FORMAT
 from contract.prctl import set_parent_death_signal, set_process_name
 from service.db import make_engine, make_session_factory
 from service.gc_pauses import freeze_what_started
@@ -50,7 +51,6 @@ from service.settings import RESERVED_CONNECTIONS, ControllerSettings
 logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "relaunch-recon"  # /proc/PID/comm keeps 15 bytes
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 RESPAWN_FIRST_S = 1.0
 RESPAWN_MAX_S = 30.0
 # A child that ran this long before it died is started again after RESPAWN_FIRST_S.

@@ -56,6 +56,7 @@ from contract.events import (
     ZygoteChanged,
 )
 from contract.labels import label_from_environ
+from contract.logs import LOG_FORMAT
 from contract.prctl import set_parent_death_signal
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import warm
@@ -673,9 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.parent_pid is not None and os.getppid() != ns.parent_pid:
         logger.error("%s parent %s is gone before start; exiting", _CTX, ns.parent_pid)
         return 1
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     events = EventWriter(ns.events_file)
     supervision = Supervision(
         events=events,
