@@ -7,7 +7,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,7 +15,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, InvalidatePoolError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +31,8 @@ MIGRATION_LOCK_KEY = 0x72656C61756E6368  # "relaunch"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 # Connections an engine may hold at once unless told: the pool keeps this many open at most.
 DEFAULT_CONNECTIONS = 30
+# A pooled PostgreSQL connection idle longer than this is pinged before it is lent.
+PING_AFTER_IDLE_S = 1.0
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -164,16 +166,62 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def make_engine(url: str, connections: int = DEFAULT_CONNECTIONS) -> Engine:
+def make_engine(
+    url: str, connections: int = DEFAULT_CONNECTIONS, ping_after_idle_s: float = PING_AFTER_IDLE_S
+) -> Engine:
     """An engine of at most ``connections`` connections; a caller that needs one more
-    waits for one to be returned (``TimeoutError`` after 30 s)."""
+    waits for one to be returned (``TimeoutError`` after 30 s). On PostgreSQL a pooled
+    connection idle for more than ``ping_after_idle_s`` (0: any) is pinged before it is
+    lent (``ping_idle_connections``)."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         engine = _sqlite_engine(url, connections)
         event.listen(engine, "begin", _sqlite_begin)  # one writing transaction at a time
         return engine
-    return create_engine(url, pool_pre_ping=True, **_pool_size(connections))
+    # Last in, first out: the connections a steady load keeps busy are lent again within
+    # ``ping_after_idle_s``; the others sit idle, and are pinged when next lent.
+    engine = create_engine(url, pool_use_lifo=True, **_pool_size(connections))
+    ping_idle_connections(engine, ping_after_idle_s)
+    return engine
+
+
+def ping_idle_connections(engine: Engine, after_s: float) -> None:
+    """Ping a pooled connection before it is lent if it was idle for more than ``after_s``
+    seconds (0: always), and lend another if the ping fails.
+
+    A ping is a round trip to the server. Pinging at every loan (SQLAlchemy's
+    ``pool_pre_ping``) added one to every request, and under load a round trip costs
+    the server a wake-up and both sides two system calls. A connection lent again
+    within ``after_s`` is taken as it is: the server (or a proxy) closed it since only
+    if it restarted in that moment, and then the statement fails as a disconnect,
+    which invalidates every connection the pool opened before it (SQLAlchemy does
+    so), and the API answers that request 503 with Retry-After (``database_busy``).
+    A failed ping invalidates them likewise."""
+
+    @event.listens_for(engine, "checkin")
+    def _idle_from(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.pop("idle_since", None)
+        if idle_since is None:
+            return  # opened for this loan (a connection's info is new with it)
+        if after_s > 0 and time.monotonic() - idle_since <= after_s:
+            return  # lent again soon enough
+        try:
+            engine.dialect.do_ping(dbapi_conn)  # one round trip
+        except engine.dialect.loaded_dbapi.Error as exc:
+            if engine.dialect.is_disconnect(exc, dbapi_conn, None) or _closed(dbapi_conn):
+                # Every connection the pool opened before this one goes too: the server
+                # restarted, or a proxy dropped them all.
+                raise InvalidatePoolError(f"a pooled connection was closed: {exc}") from exc
+            raise
+
+
+def _closed(dbapi_conn: Any) -> bool:
+    return bool(getattr(dbapi_conn, "closed", False))
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
@@ -184,6 +232,21 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One unit of work: commit on success, roll back on any error."""
     with factory() as session, session.begin():
+        yield session
+
+
+@contextmanager
+def transaction_if_asked(factory: sessionmaker[Session]) -> Iterator[Callable[[], Session]]:
+    """A function that begins a transaction (``transaction``) at its first call and
+    returns it at every call; the transaction, if begun, ends with the ``with``."""
+    with ExitStack() as stack:
+        begun: list[Session] = []
+
+        def session() -> Session:
+            if not begun:
+                begun.append(stack.enter_context(transaction(factory)))
+            return begun[0]
+
         yield session
 
 
@@ -206,9 +269,12 @@ def retry_on_stale(
 def database_busy(exc: Exception) -> bool:
     """Whether ``exc`` says the database is busy rather than broken, so that the same
     request may succeed later: SQLite's write lock stayed taken past the busy timeout,
-    or every pooled connection stayed in use past the pool's timeout."""
+    every pooled connection stayed in use past the pool's timeout, or the connection
+    was closed under the statement (a server restart)."""
     if isinstance(exc, PoolTimeout):
         return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True  # the server closed the connection (it restarted): the pool reconnects
     return isinstance(exc, OperationalError) and "database is locked" in str(exc.orig)
 
 

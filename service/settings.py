@@ -54,7 +54,30 @@ class ControllerSettings(BaseSettings):
         ge=1,
         le=1000,
         description="Threads that run the API's routes; the database pool is sized to "
-        "match (this many connections, and a few more for the reconciler)",
+        "match (this many connections, as many as heartbeat_threads, and a few more for "
+        "the reconciler)",
+    )
+    database_ping_after_idle_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=3600,
+        description="A pooled PostgreSQL connection idle longer than this is pinged before "
+        "use, and replaced if the server closed it; one used again sooner is not (a "
+        "statement on a connection closed meanwhile is answered 503 and the pool "
+        "reconnects); 0 pings at every use",
+    )
+    heartbeat_one_statement: bool = Field(
+        default=True,
+        description="On PostgreSQL, record a node's heartbeat and read its assignments in "
+        "one statement, committed by itself; false: in a transaction of two, as on SQLite",
+    )
+    heartbeat_threads: int = Field(
+        default=8,
+        ge=0,
+        le=1000,
+        description="Threads that answer only nodes' heartbeats, beside the API's threads, "
+        "so that a heartbeat never waits for a thread behind reports and reads (each "
+        "database pool grows by as many connections); 0: heartbeats share the API's threads",
     )
     credential_cache_s: float = Field(
         default=5.0,
@@ -234,9 +257,10 @@ class ControllerSettings(BaseSettings):
 
     @property
     def database_connections(self) -> int:
-        """Enough that no route thread ever waits for a connection: one for each, and
-        ``RESERVED_CONNECTIONS`` for the reconciler's thread."""
-        return self.api_threads + RESERVED_CONNECTIONS
+        """Enough that no route thread ever waits for a connection: one for each (the
+        API's and the heartbeats'), and ``RESERVED_CONNECTIONS`` for the reconciler's
+        thread."""
+        return self.api_threads + self.heartbeat_threads + RESERVED_CONNECTIONS
 
     @property
     def database_is_sqlite(self) -> bool:

@@ -47,7 +47,7 @@ from service.errors import (
     Unauthenticated,
 )
 from service.gc_pauses import freeze_what_started
-from service.heartbeats import Answers, Pace, count_alive
+from service.heartbeats import Answers, OneStatement, Pace, count_alive
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.reconciler_process import ReconcilerProcess
@@ -101,7 +101,9 @@ def create_app(
     tests of the API alone turn that off. The keys of jobs' env values are ``keyring``,
     else loaded from ``settings`` at start; either way checked against the database
     before the app serves."""
-    engine = make_engine(settings.db_url, settings.database_connections)
+    engine = make_engine(
+        settings.db_url, settings.database_connections, settings.database_ping_after_idle_s
+    )
     factory = make_session_factory(engine)
     read_engine = make_read_engine(settings.db_url, engine, settings.database_connections)
     read_factory = make_session_factory(read_engine)
@@ -162,6 +164,11 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = controller_metrics
     app.state.heartbeat_answers = Answers()
+    app.state.heartbeat_one_statement = (
+        OneStatement(engine)
+        if settings.heartbeat_one_statement and OneStatement.serves(engine)
+        else None
+    )
     app.state.heartbeat_pace = Pace(settings, functools.partial(count_alive, read_factory))
     app.include_router(health.router)
     app.include_router(metrics.router)
@@ -292,7 +299,9 @@ def _map_errors(app: FastAPI) -> None:
     @app.exception_handler(SQLAlchemyError)
     async def database_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
         # Busy (SQLite's write lock or every pooled connection stayed taken past its
-        # timeout): nothing was committed, and agents retry a 503 after Retry-After.
+        # timeout: nothing was committed), or the connection closed under the statement
+        # (a server restart: if that was the COMMIT, its outcome is unknown). Agents retry
+        # a 503 after Retry-After.
         if not database_busy(exc):
             raise exc
         logger.warning("database busy, answered 503: %s", exc)

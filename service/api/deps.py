@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
@@ -15,7 +16,7 @@ from service import auth
 from service.api.answers import AnswerCache
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
-from service.heartbeats import Answers, Pace
+from service.heartbeats import Answers, OneStatement, Pace
 from service.metrics import ControllerMetrics
 from service.models import Node, Role, User
 from service.secrets import Keyring
@@ -80,6 +81,22 @@ async def get_pace(request: Request) -> Pace:
     return pace
 
 
+async def get_heartbeat_lane(request: Request) -> anyio.CapacityLimiter | None:
+    """The threads that answer only heartbeats (``heartbeat_threads``; None: the API's
+    own), made on first use, on the app's event loop."""
+    state = request.app.state
+    lane: anyio.CapacityLimiter | None = getattr(state, "heartbeat_lane", None)
+    if lane is None and state.settings.heartbeat_threads > 0:
+        lane = state.heartbeat_lane = anyio.CapacityLimiter(state.settings.heartbeat_threads)
+    return lane
+
+
+async def get_one_statement(request: Request) -> OneStatement | None:
+    """A heartbeat's record and read in one statement, where the database takes it."""
+    one: OneStatement | None = request.app.state.heartbeat_one_statement
+    return one
+
+
 async def get_heartbeat_answers(request: Request) -> Answers:
     """The heartbeat answers this controller has rendered (``service.heartbeats``)."""
     answers: Answers = request.app.state.heartbeat_answers
@@ -118,6 +135,8 @@ MetricsDep = Annotated[ControllerMetrics, Depends(get_metrics)]
 CredentialsDep = Annotated[auth.CredentialCache, Depends(get_credentials)]
 AnswersDep = Annotated[AnswerCache, Depends(get_answers)]
 HeartbeatAnswersDep = Annotated[Answers, Depends(get_heartbeat_answers)]
+OneStatementDep = Annotated[OneStatement | None, Depends(get_one_statement)]
+HeartbeatLaneDep = Annotated[anyio.CapacityLimiter | None, Depends(get_heartbeat_lane)]
 PaceDep = Annotated[Pace, Depends(get_pace)]
 WakeDep = Annotated[Callable[[float], bool], Depends(get_wake)]
 

@@ -141,3 +141,18 @@ def statements(engine: Engine) -> Iterator[list[str]]:
         yield sent
     finally:
         sa_event.remove(engine, "before_cursor_execute", note)
+
+
+@contextmanager
+def commits(engine: Engine) -> Iterator[list[object]]:
+    """A note of every transaction committed on ``engine`` meanwhile."""
+    committed: list[object] = []
+
+    def note(conn: Any) -> None:
+        committed.append(conn)
+
+    sa_event.listen(engine, "commit", note)
+    try:
+        yield committed
+    finally:
+        sa_event.remove(engine, "commit", note)
