@@ -34,12 +34,12 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ScalarSelect, and_, bindparam, func, or_, select, update
+from sqlalchemy import Engine, ScalarSelect, and_, bindparam, func, or_, select, true, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from contract.protocol import Assignment, Heartbeat
@@ -165,16 +165,25 @@ def record(
     """Record the heartbeat of node ``node_id`` if it is ALIVE and ``token`` is its node
     token, with the ``interval_s`` its answer tells it, in one UPDATE; False (nothing
     written) otherwise."""
-    if not token.startswith(auth.NODE_TOKEN_PREFIX):
+    params = _record_params(node_id, token, body, now, interval_s)
+    if params is None:
         return False
-    params = {
+    return session.execute(_RECORD, params).first() is not None
+
+
+def _record_params(
+    node_id: int, token: str, body: Heartbeat, now: datetime, interval_s: float
+) -> dict[str, Any] | None:
+    """The parameters of ``_RECORD``; None if ``token`` is no node token."""
+    if not token.startswith(auth.NODE_TOKEN_PREFIX):
+        return None
+    return {
         "node_id": node_id,
         "node_token_hash": auth.token_hash(token),
         "seen_at": now,
         "usage": [u.model_dump() for u in body.gpus],
         "interval_s": interval_s,
     }
-    return session.execute(_RECORD, params).first() is not None
 
 
 def answer(
@@ -187,18 +196,31 @@ def answer(
     interval_s: float,
     now: datetime,
 ) -> bytes:
-    """The JSON of the ``HeartbeatReply``: every assignment of the node, rendered or taken
-    from ``answers``, and the ``interval_s`` to wait before the next heartbeat. An
-    assignment the node does not run yet carries a new worker token (``service.fence``):
-    the node starts it with the token of the reply it acts on, and one it runs keeps the
-    token its workers hold. One of an attempt that SUCCEEDED within ``FINISHING_GRACE_S``
-    is listed only if the node runs it (it is never started again)."""
+    """The JSON of the ``HeartbeatReply`` to node ``node_id`` (``reply``), its memberships
+    read in ``session``."""
+    found = memberships(session, node_id, now)
+    return reply(found, body, settings, keyring, answers, interval_s, lambda: session)
+
+
+def reply(
+    found: list[tuple[Membership, bool]],
+    body: Heartbeat,
+    settings: ControllerSettings,
+    keyring: Keyring,
+    answers: Answers,
+    interval_s: float,
+    session: Callable[[], Session],
+) -> bytes:
+    """The JSON of the ``HeartbeatReply``: an assignment for each membership ``found``
+    (``memberships``), rendered or taken from ``answers``, and the ``interval_s`` to wait
+    before the next heartbeat. An assignment the node does not run yet carries a new
+    worker token (``service.fence``): the node starts it with the token of the reply it
+    acts on, and one it runs keeps the token its workers hold. One of an attempt that
+    SUCCEEDED within ``FINISHING_GRACE_S`` is listed only if the node runs it (it is
+    never started again). ``session`` is called only to read a spec not yet rendered or
+    to write a worker token: not for a node that runs all it holds, all rendered."""
     running = {r.attempt_id for r in body.running}
-    held = [
-        m
-        for m, finishing in memberships(session, node_id, now)
-        if not finishing or m.attempt_id in running
-    ]
+    held = [m for m, finishing in found if not finishing or m.attempt_id in running]
     rendered: dict[Membership, Rendered] = {}
     for m in held:
         kept = answers.get(m)
@@ -207,7 +229,9 @@ def answer(
     missing = {m.job_id for m in held if m not in rendered}
     if missing:
         stmt = select(Job.id, Job.spec).where(Job.id.in_(missing))
-        specs: dict[int, dict[str, Any]] = {job_id: spec for job_id, spec in session.execute(stmt)}
+        specs: dict[int, dict[str, Any]] = {
+            job_id: spec for job_id, spec in session().execute(stmt)
+        }
         for m in held:
             if m not in rendered:
                 stored = specs[m.job_id]
@@ -219,51 +243,100 @@ def answer(
         if m.attempt_id in running:
             parts.append(rendered[m].json)
         else:
-            token = issue_worker_token(session, m.member_id)
+            token = issue_worker_token(session(), m.member_id)
             told = rendered[m].assignment.model_copy(update={"worker_token": token})
             parts.append(told.model_dump_json().encode())
     pace = f'],"heartbeat_interval_s":{interval_s!r}}}'.encode()
     return b'{"assignments":[' + b",".join(parts) + pace
 
 
+def starts_something(found: list[tuple[Membership, bool]], body: Heartbeat) -> bool:
+    """Whether the answer to ``body`` would carry an assignment the node does not run yet
+    (``reply`` issues it a worker token), of the memberships ``found``."""
+    running = {r.attempt_id for r in body.running}
+    return any(not finishing and m.attempt_id not in running for m, finishing in found)
+
+
+class OneStatement:
+    """Records an ALIVE node's heartbeat and reads its memberships in one statement,
+    committed by itself (PostgreSQL: an UPDATE in a WITH of the SELECT).
+
+    ``record`` then ``memberships`` in a transaction cost five round trips to the
+    server (BEGIN, UPDATE, SELECT, COMMIT, and a ping of the pooled connection if
+    idle); this costs one. The SELECT reads the statement's snapshot, taken before the
+    UPDATE waited for the node's row if it had to: a membership committed meanwhile comes
+    with the next heartbeat. An answer that starts something (``starts_something``) is
+    not made from it: the route records the heartbeat again the long way, in a
+    transaction that holds the node's row until its worker tokens are written, so that
+    of two heartbeats of one node that overlap (an agent's retry) the later one's tokens
+    are the ones kept."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @staticmethod
+    def serves(engine: Engine) -> bool:
+        """Whether the database takes an UPDATE in a WITH (SQLite does not)."""
+        return engine.dialect.name == "postgresql"
+
+    def __call__(
+        self, node_id: int, token: str, body: Heartbeat, now: datetime, interval_s: float
+    ) -> list[tuple[Membership, bool]] | None:
+        """What ``memberships`` reads, once the heartbeat is recorded as ``record`` does;
+        None if it was not (not an ALIVE node's heartbeat with its own token)."""
+        params = _record_params(node_id, token, body, now, interval_s)
+        if params is None:
+            return None
+        params["finishing_since"] = now - timedelta(seconds=FINISHING_GRACE_S)
+        with self._engine.connect() as conn:
+            rows = conn.execute(_BEAT, params).all()
+        if not rows:
+            return None
+        return [_membership(row[1:]) for row in rows if row[1] is not None]
+
+
 def memberships(session: Session, node_id: int, now: datetime) -> list[tuple[Membership, bool]]:
     """The node's ACTIVE memberships of RUNNING attempts as stored, and of attempts that
     SUCCEEDED within ``FINISHING_GRACE_S`` (True beside those), by id: one SELECT."""
     since = now - timedelta(seconds=FINISHING_GRACE_S)
-    return [
-        (
-            Membership(
-                member_id=member_id,
-                attempt_id=attempt_id,
-                job_id=job_id,
-                attempt_number=number,
-                rdzv_id=rdzv_id,
-                device=device,
-                gpus=tuple(gpus or ()),
-                restart_count=restart_count,
-                # An attempt that has ended re-forms nothing: a member that left it since
-                # moves no generation a node would act on (it acts only on a rise).
-                generation=left if state is AttemptState.RUNNING else 0,
-                active_members=active,
-                memberships=total,
-            ),
-            state is not AttemptState.RUNNING,
-        )
-        for (
-            member_id,
-            attempt_id,
-            job_id,
-            number,
-            rdzv_id,
-            device,
-            gpus,
-            restart_count,
-            left,
-            active,
-            total,
-            state,
-        ) in session.execute(_MEMBERSHIPS, {"node_id": node_id, "finishing_since": since})
-    ]
+    params = {"node_id": node_id, "finishing_since": since}
+    return [_membership(row) for row in session.execute(_MEMBERSHIPS, params)]
+
+
+def _membership(row: Sequence[Any]) -> tuple[Membership, bool]:
+    """A row of ``_MEMBERSHIPS`` as ``memberships`` answers it."""
+    (
+        member_id,
+        attempt_id,
+        job_id,
+        number,
+        rdzv_id,
+        device,
+        gpus,
+        restart_count,
+        left,
+        active,
+        total,
+        state,
+    ) = row
+    return (
+        Membership(
+            member_id=member_id,
+            attempt_id=attempt_id,
+            job_id=job_id,
+            attempt_number=number,
+            rdzv_id=rdzv_id,
+            device=device,
+            gpus=tuple(gpus or ()),
+            restart_count=restart_count,
+            # An attempt that has ended re-forms nothing: a member that left it since
+            # moves no generation a node would act on (it acts only on a rise).
+            generation=left if state is AttemptState.RUNNING else 0,
+            active_members=active,
+            memberships=total,
+        ),
+        state is not AttemptState.RUNNING,
+    )
 
 
 def _members_of_attempt(state: MemberState | None) -> ScalarSelect[int]:
@@ -324,4 +397,13 @@ _MEMBERSHIPS = (
         ),
     )
     .order_by(AttemptMember.id)
+)
+_RECORDED = _RECORD.cte("recorded")
+_HELD = _MEMBERSHIPS.order_by(None).subquery("held")
+# One row per membership, each with the node's id; one row of NULLs beside the id for a
+# node that holds none; no row if the UPDATE matched no row.
+_BEAT = (
+    select(_RECORDED.c.id, *_HELD.c)
+    .select_from(_RECORDED.outerjoin(_HELD, true()))
+    .order_by(_HELD.c.id)
 )

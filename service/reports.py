@@ -34,6 +34,7 @@ from contract.events import (
     ZygoteChanged,
 )
 from contract.protocol import AttemptExit, AttemptReport, StopReason
+from service import auth
 from service.attempts import active_members, drop_member, end_attempt, end_member, find_member
 from service.errors import Fenced
 from service.job_events import (
@@ -44,17 +45,27 @@ from service.job_events import (
 )
 from service.jobs import change_job_state, get_job
 from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
-from service.nodes import get_node
 from service.states import AttemptState, JobState, MemberState
 
 logger = logging.getLogger(__name__)
 
 
-def handle_report(session: Session, node_id: int, report: AttemptReport, now: datetime) -> bool:
-    """Apply ``report``; whether its events were applied (False: only the late exit of an
-    attempt that is over for the node was recorded). ``Fenced`` if the node may not
-    report on the attempt."""
-    node = get_node(session, node_id)
+class NotTheNodesToken(Exception):
+    """A report that does not carry its node's token (or names no node): nothing was
+    written. The route checks the call again as every node route's is (401, 403)."""
+
+
+def handle_report(
+    session: Session, node_id: int, report: AttemptReport, now: datetime, token: str | None
+) -> bool:
+    """Apply ``report``, sent with ``token``, which must be node ``node_id``'s token
+    (``NotTheNodesToken``): checked in this transaction, in which the node's row is read
+    anyway, rather than in one of its own before it. Whether its events were applied
+    (False: only the late exit of an attempt that is over for the node was recorded).
+    ``Fenced`` if the node may not report on the attempt."""
+    node = session.get(Node, node_id)
+    if node is None or not auth.hashes_to(token, node.token_hash):
+        raise NotTheNodesToken
     attempt = session.get(Attempt, report.attempt_id)
     member = find_member(session, report.attempt_id, node_id, report.member_id) if attempt else None
     if attempt is None or member is None:

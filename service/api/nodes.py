@@ -13,7 +13,13 @@ that may itself be waiting for that connection or lock.
 
 from __future__ import annotations
 
+import functools
+from datetime import datetime
+
+import anyio
 from fastapi import APIRouter, Response
+from fastapi.security import HTTPAuthorizationCredentials
+from sqlalchemy.orm import Session, sessionmaker
 
 from contract.events import SnapshotSaved
 from contract.protocol import (
@@ -32,12 +38,14 @@ from service.api.deps import (
     EnrolmentDep,
     FactoryDep,
     HeartbeatAnswersDep,
+    HeartbeatLaneDep,
     IdPath,
     KeyringDep,
     MetricsDep,
     NodeDep,
     NowDep,
     Offset,
+    OneStatementDep,
     PaceDep,
     PageLimit,
     ReadFactoryDep,
@@ -47,9 +55,13 @@ from service.api.deps import (
     WakeDep,
     get_node,
 )
-from service.db import retry_on_stale, transaction
+from service.db import retry_on_stale, transaction, transaction_if_asked
+from service.errors import Unauthenticated
+from service.heartbeats import Answers, OneStatement, Pace
 from service.models import Node, Role, User
 from service.schemas import NodeGpuPublic, NodePublic, NodesPublic
+from service.secrets import Keyring
+from service.settings import ControllerSettings
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
 # How long a registration waits for the reconciler's pass that it started.
@@ -84,7 +96,7 @@ def register(
 
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatReply)
-def heartbeat(
+async def heartbeat(
     node_id: IdPath,
     body: Heartbeat,
     credentials: BearerDep,
@@ -93,22 +105,70 @@ def heartbeat(
     settings: SettingsDep,
     keyring: KeyringDep,
     answers: HeartbeatAnswersDep,
+    one_statement: OneStatementDep,
     pace: PaceDep,
     now: NowDep,
+    lane: HeartbeatLaneDep,
 ) -> Response:
-    """An ALIVE node's heartbeat with its own token is recorded and answered in one
-    transaction of two statements (``service.heartbeats``; a third, every few seconds,
-    counts the ALIVE nodes for the pace); any other call is checked as every node
+    """Answered on the heartbeats' own threads (``heartbeat_threads``), which reports and
+    reads do not take: a node whose heartbeats wait is lost."""
+    answer = functools.partial(
+        _heartbeat,
+        node_id,
+        body,
+        credentials,
+        factory,
+        read_factory,
+        settings,
+        keyring,
+        answers,
+        one_statement,
+        pace,
+        now,
+    )
+    return await anyio.to_thread.run_sync(answer, limiter=lane)
+
+
+def _heartbeat(
+    node_id: int,
+    body: Heartbeat,
+    credentials: HTTPAuthorizationCredentials | None,
+    factory: sessionmaker[Session],
+    read_factory: sessionmaker[Session],
+    settings: ControllerSettings,
+    keyring: Keyring,
+    answers: Answers,
+    one_statement: OneStatement | None,
+    pace: Pace,
+    now: datetime,
+) -> Response:
+    """An ALIVE node's heartbeat with its own token is recorded and its memberships read
+    in one statement on PostgreSQL (``heartbeats.OneStatement``), in one transaction of
+    two on SQLite; on PostgreSQL a transaction follows only to render a job's assignment
+    for the first time, and an answer that starts something is made the SQLite way,
+    which holds the node's row until its worker tokens are written (every few seconds,
+    a short read counts the ALIVE nodes for the pace). Any other call is checked as every node
     route's is (401, 403) and then recorded the long way (a LOST or LEFT node is ALIVE
     again). The answer's JSON is made of assignments kept as JSON."""
     token = credentials.credentials if credentials is not None else None
     interval_s = pace.interval()  # before the transaction: it may read on its own
-    with transaction(factory) as session:
-        if token is not None and heartbeats.record(session, node_id, token, body, now, interval_s):
-            reply = heartbeats.answer(
-                session, node_id, body, settings, keyring, answers, interval_s, now
-            )
+    short_way = token is not None
+    if token is not None and one_statement is not None:
+        found = one_statement(node_id, token, body, now, interval_s)
+        if found is not None and not heartbeats.starts_something(found, body):
+            with transaction_if_asked(factory) as session:  # to render a new assignment
+                reply = heartbeats.reply(
+                    found, body, settings, keyring, answers, interval_s, session
+                )
             return Response(reply, media_type="application/json")
+        short_way = found is not None  # recorded; its answer starts something
+    if token is not None and short_way:
+        with transaction(factory) as session:
+            if heartbeats.record(session, node_id, token, body, now, interval_s):
+                reply = heartbeats.answer(
+                    session, node_id, body, settings, keyring, answers, interval_s, now
+                )
+                return Response(reply, media_type="application/json")
     node = get_node(node_id, read_factory, credentials)
     with transaction(factory) as session:
         nodes.record_heartbeat(session, node.id, body, now, interval_s, token=token)
@@ -120,10 +180,25 @@ def heartbeat(
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)
 def report(
-    node: NodeDep, body: AttemptReport, factory: FactoryDep, now: NowDep, metrics: MetricsDep
+    node_id: IdPath,
+    body: AttemptReport,
+    credentials: BearerDep,
+    factory: FactoryDep,
+    read_factory: ReadFactoryDep,
+    now: NowDep,
+    metrics: MetricsDep,
 ) -> ReportAccepted:
-    """409 means fenced (stop the attempt); 503 means retry later."""
-    applied = retry_on_stale(factory, lambda s: reports.handle_report(s, node.id, body, now))
+    """409 means fenced (stop the attempt); 503 means retry later. The node's token is
+    checked in the report's own transaction; a call without it is checked as every node
+    route's is (401, 403), and nothing is written."""
+    token = credentials.credentials if credentials is not None else None
+    try:
+        applied = retry_on_stale(
+            factory, lambda s: reports.handle_report(s, node_id, body, now, token)
+        )
+    except reports.NotTheNodesToken:
+        get_node(node_id, read_factory, credentials)  # 401 or 403, with the reason
+        raise Unauthenticated("the node token is unknown; register again") from None
     if applied:  # committed: a retried report is counted once
         metrics.observe_snapshots(e.data for e in body.events if isinstance(e.data, SnapshotSaved))
     return ReportAccepted(accepted=True)

@@ -12,6 +12,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -21,7 +22,7 @@ from sqlalchemy import event, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from service import heartbeats
+from service import heartbeats, reports
 from service.api.app import create_app
 from service.db import make_engine, make_session_factory, transaction
 from service.models import Node
@@ -38,7 +39,14 @@ API_THREADS = 4
 def server_url(settings: ControllerSettings, clock: FakeClock) -> Iterator[str]:
     """The controller served by uvicorn (its lifespan included) with few threads."""
     few_threads = settings.model_copy(update={"api_threads": API_THREADS})
-    app = create_app(few_threads, clock=clock, run_background=False)
+    with served(few_threads, clock) as url:
+        yield url
+
+
+@contextmanager
+def served(settings: ControllerSettings, clock: FakeClock) -> Iterator[str]:
+    """The URL of the controller served by uvicorn, its lifespan included."""
+    app = create_app(settings, clock=clock, run_background=False)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -99,6 +107,43 @@ def test_a_burst_of_heartbeats_is_answered_and_recorded(
     }
 
 
+def test_a_heartbeat_is_answered_while_every_api_thread_is_taken(
+    settings: ControllerSettings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats have threads of their own: two reports that never end hold both of the
+    API's threads, and the node's heartbeat is still answered (on the shared threads it
+    would wait until its client gave up)."""
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def never_ends(*_: object, **__: object) -> bool:
+        entered.release()
+        release.wait(120)
+        return True
+
+    monkeypatch.setattr(reports, "handle_report", never_ends)
+    lanes = settings.model_copy(update={"api_threads": 2, "heartbeat_threads": 1})
+    with served(lanes, clock) as url, ThreadPoolExecutor(2) as pool:
+        node_id, token = _register(url, 0)
+        route = f"{url}/api/v1/nodes/{node_id}"
+        try:
+            held = [
+                pool.submit(
+                    httpx.post, f"{route}/reports", json={"attempt_id": 1}, headers=bearer(token)
+                )
+                for _ in range(2)
+            ]
+            for _ in held:
+                assert entered.acquire(timeout=60)  # both API threads are in a report
+            beat = httpx.post(
+                f"{route}/heartbeat", json={"running": []}, headers=bearer(token), timeout=30
+            )
+            assert beat.status_code == 200, beat.text
+            assert beat.json()["assignments"] == []
+        finally:
+            release.set()
+        assert [h.result(timeout=60).status_code for h in held] == [200, 200]
+
+
 def test_a_locked_sqlite_database_is_a_503_to_retry(
     api: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,7 +156,8 @@ def test_a_locked_sqlite_database_is_a_503_to_retry(
             "BEGIN IMMEDIATE", {}, sqlite3.OperationalError("database is locked")
         )
 
-    monkeypatch.setattr(heartbeats, "record", locked)
+    monkeypatch.setattr(heartbeats, "record", locked)  # SQLite's way
+    monkeypatch.setattr(heartbeats.OneStatement, "__call__", locked)  # PostgreSQL's
     response = api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []})
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"

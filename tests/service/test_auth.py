@@ -197,13 +197,19 @@ def test_nodes_show_the_job_they_serve_only_to_its_owner(world: World, reconcile
     assert seen["bob"]["busy"]
 
 
-def test_a_node_acts_only_as_itself(api: Cluster, reconciler: Any) -> None:
+def attempt_and_nodes(api: Cluster, reconciler: Any) -> tuple[int, dict[str, Any], int, int]:
+    """A job of one node placed on one of two: its id, its attempt, the node it runs on
+    and the other node."""
     a, b = register(api, "a"), register(api, "b")
     job_id = submit(api, "1:1")
     reconciler.run_once()
-    attempt = api.get(f"/api/v1/jobs/{job_id}").json()["attempts"][0]
-    owner = attempt["members"][0]["node_id"]
-    other = b if owner == a else a
+    attempt: dict[str, Any] = api.get(f"/api/v1/jobs/{job_id}").json()["attempts"][0]
+    owner: int = attempt["members"][0]["node_id"]
+    return job_id, attempt, owner, b if owner == a else a
+
+
+def test_a_node_acts_only_as_itself(api: Cluster, reconciler: Any) -> None:
+    job_id, attempt, owner, other = attempt_and_nodes(api, reconciler)
     as_other = bearer(api.node_tokens[other])
     for path, body in (
         (f"/api/v1/nodes/{owner}/heartbeat", {"running": []}),
@@ -217,6 +223,24 @@ def test_a_node_acts_only_as_itself(api: Cluster, reconciler: Any) -> None:
     )
     assert r.status_code == 409
     assert api.get(f"/api/v1/jobs/{job_id}").json()["state"] == "RUNNING"
+
+
+def test_a_report_with_a_token_not_the_nodes_writes_nothing(api: Cluster, reconciler: Any) -> None:
+    """The report's own transaction checks the token: a refused one leaves no line."""
+    job_id, attempt, owner, other = attempt_and_nodes(api, reconciler)
+    line = {"time": "2026-01-01T00:00:00Z", "line": "forged"}
+    body = {"attempt_id": attempt["id"], "logs": [line]}
+    for token, refused in ((api.node_tokens[other], 403), ("rln_" + "x" * 43, 401), (None, 401)):
+        headers = bearer(token) if token is not None else {"authorization": ""}
+        r = api.post(f"/api/v1/nodes/{owner}/reports", json=body, headers=headers)
+        assert r.status_code == refused, r.text
+    no_node = owner + other + 1  # an id no node has
+    assert api.post(f"/api/v1/nodes/{no_node}/reports", json=body).status_code in (401, 403)
+    assert "forged" not in api.get(f"/api/v1/jobs/{job_id}/logs").text
+    own = bearer(api.node_tokens[owner])
+    r = api.post(f"/api/v1/nodes/{owner}/reports", json=body, headers=own)
+    assert r.status_code == 200, r.text
+    assert "forged" in api.get(f"/api/v1/jobs/{job_id}/logs").text
 
 
 def test_registering_again_replaces_the_node_token(api: Cluster) -> None:

@@ -1,4 +1,5 @@
-"""A heartbeat costs the database two statements, and its answer is rendered once per change."""
+"""A heartbeat costs the database one statement (PostgreSQL) or two (SQLite), and its
+answer is rendered once per change."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 from sqlalchemy import Engine
 
 from service import heartbeats
+from service.api.app import create_app
+from service.models import Role
 from service.reconciler import Reconciler
+from service.settings import ControllerSettings
 from tests.helpers import FakeClock
-from tests.service.helpers import Cluster, heartbeat, register, statements, submit
+from tests.service.helpers import Cluster, commits, heartbeat, register, statements, submit
 
 
 def running(api: Cluster, node_id: int, attempt_ids: list[int]) -> list[dict[str, Any]]:
@@ -40,10 +44,62 @@ def test_a_heartbeat_of_a_node_at_work_is_one_update_and_one_select(
     attempts = [a["attempt_id"] for a in heartbeat(api, node_id)]
     assert len(attempts) == jobs
 
-    with statements(engine_of(api)) as sent:
+    with statements(engine_of(api)) as sent, commits(engine_of(api)) as committed:
         assert [a["attempt_id"] for a in running(api, node_id, attempts)] == attempts
     work = [s.split()[0] for s in sent if not s.startswith("BEGIN")]  # SQLite's, sent as SQL
-    assert work == ["UPDATE", "SELECT"], sent
+    if engine_of(api).dialect.name == "postgresql":  # an UPDATE in a WITH, committed alone
+        assert work == ["WITH"] and sent[0].split()[3] == "(UPDATE", sent
+        assert committed == []
+    else:
+        assert work == ["UPDATE", "SELECT"], sent
+        assert len(committed) == 1
+
+
+def test_an_answer_that_starts_an_attempt_holds_the_node_s_row_until_its_tokens_are_written(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    """On PostgreSQL the one statement finds an assignment the node does not run, and the
+    heartbeat is recorded again in a transaction that locks the node's row before the
+    worker token is written: of two overlapping heartbeats the later one's token stays."""
+    node_id = register(api, "a")
+    submit(api, "1")
+    reconciler.run_once()
+    with statements(engine_of(api)) as sent, commits(engine_of(api)) as committed:
+        [assignment] = heartbeat(api, node_id)
+    assert assignment["worker_token"]
+    # Not SQLite's BEGIN, sent as SQL, nor the count of ALIVE nodes for the pace.
+    work = [s for s in sent if not s.startswith(("BEGIN", "SELECT count(*)"))]
+    if engine_of(api).dialect.name == "postgresql":
+        assert work[0].startswith("WITH"), sent
+        work = work[1:]
+    recorded = work[0].startswith("UPDATE nodes")
+    token_written = any(s.startswith("UPDATE attempt_members") for s in work[1:])
+    assert recorded and token_written, sent
+    assert len(committed) == 1  # the record and the token, together
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_on_postgresql_a_heartbeat_can_still_be_a_transaction_of_two(
+    settings: ControllerSettings, clock: FakeClock
+) -> None:
+    """``heartbeat_one_statement`` off: as on SQLite; what it answers is the same."""
+    settings = settings.model_copy(update={"heartbeat_one_statement": False})
+    app = create_app(settings, clock=clock, run_background=False)
+    with Cluster(app) as api:
+        api.node_tokens, api.name_tokens = {}, {}
+        api.user_token = api.add_user("root", Role.ADMIN)
+        reconciler = Reconciler(app.state.session_factory, settings, clock)
+        node_id = register(api, "a")
+        submit(api, "1")
+        reconciler.run_once()
+        [assignment] = heartbeat(api, node_id)
+        assert assignment["worker_token"]
+        with statements(engine_of(api)) as sent, commits(engine_of(api)) as committed:
+            [again] = running(api, node_id, [assignment["attempt_id"]])
+        assert again == {**assignment, "worker_token": None}
+        assert [s.split()[0] for s in sent] == ["UPDATE", "SELECT"]
+        assert len(committed) == 1
 
 
 def test_an_answer_is_rendered_once_until_the_attempt_changes(
