@@ -56,6 +56,10 @@ RESPAWN_MAX_S = 30.0
 # A child that ran this long before it died is started again after RESPAWN_FIRST_S.
 RESPAWN_RESET_AFTER_S = 60.0
 STOP_WAIT_S = 10.0
+# A child silent this long (no pass ended, leading or not) is taken as stuck and killed:
+# at least this, and at least this many leases.
+SILENCE_ALLOWED_MIN_S = 60.0
+SILENCE_ALLOWED_LEASES = 6
 # The child's command: this module imported (not run as __main__, so that the messages'
 # classes pickle under the names the controller knows them by), then ``main``.
 # A terminal's Ctrl-C, or a service manager's SIGTERM to every process of the controller,
@@ -66,6 +70,12 @@ CHILD_MAIN = (
     "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "import sys; from service.reconciler_process import main; main(sys.argv[1:])"
 )
+
+
+def silence_allowed(settings: ControllerSettings) -> float:
+    """How long the controller waits for its child's next pass before it kills it: a pass
+    and the rest after it (at most a third of a lease) end well within this."""
+    return max(SILENCE_ALLOWED_MIN_S, SILENCE_ALLOWED_LEASES * settings.leader_lease_s)
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,7 @@ def serve(settings: ControllerSettings, inbox: Connection, outbox: Connection) -
     signals = PassSignals()
     listener = threading.Thread(target=_listen, args=(inbox, signals), name="wakes", daemon=True)
     listener.start()
-    engine = make_engine(settings.db_url, RESERVED_CONNECTIONS)
+    engine = make_engine(settings.db_url, RESERVED_CONNECTIONS, settings.database_ping_after_idle_s)
     registry = CollectorRegistry()
 
     def after_pass(tickets: list[int]) -> None:
@@ -300,7 +310,7 @@ class ReconcilerProcess:
                 self._stopping.wait(delay)
                 delay = min(delay * 2, RESPAWN_MAX_S)
                 continue
-            self._hear(inbox)
+            self._hear(inbox, child)
             self._close_outbox()
             try:
                 code = child.wait(STOP_WAIT_S)
@@ -321,10 +331,23 @@ class ReconcilerProcess:
             self._stopping.wait(delay)
             delay = min(delay * 2, RESPAWN_MAX_S)
 
-    def _hear(self, inbox: Connection) -> None:
-        """Read the child's passes until it closes its end (exits)."""
+    def _hear(self, inbox: Connection, child: subprocess.Popen[bytes]) -> None:
+        """Read the child's passes until it closes its end (exits), or kill it once it has
+        been silent for ``silence_allowed``: stuck (in a statement that never returns, or
+        stopped), it would hold the lease it renews no longer, and ``/metrics`` would
+        keep saying it leads."""
+        silent_s = silence_allowed(self._settings)
         try:
             while True:
+                if not inbox.poll(silent_s):
+                    logger.error(
+                        "the reconciler process %s ended no pass in %g s (stuck or stopped); "
+                        "killing it",
+                        child.pid,
+                        silent_s,
+                    )
+                    child.kill()
+                    return
                 passed: Passed = inbox.recv()
                 self._relayed.update(passed.metrics)
                 with self._lock:

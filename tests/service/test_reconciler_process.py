@@ -21,6 +21,7 @@ import psutil
 import pytest
 from pydantic import SecretStr
 
+from service import reconciler_process
 from service.api.app import create_app
 from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
 from service.leader import current
@@ -119,6 +120,25 @@ def test_what_the_controller_made_at_start_is_left_out_of_garbage_collections(
     assert gc.get_freeze_count() == 0
     with Cluster(create_app(live_settings.model_copy(update={"gc_freeze": False}))):
         assert gc.get_freeze_count() == 0
+
+
+def test_a_reconciler_process_that_ends_no_pass_is_killed_and_started_again(
+    live_settings: ControllerSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped (SIGSTOP), it would never exit by itself: the controller kills it once it
+    has been silent too long, and the next one places jobs."""
+    # Long enough for a new child to start and end its first pass on a busy machine.
+    monkeypatch.setattr(reconciler_process, "silence_allowed", lambda _settings: 10.0)
+    with Cluster(create_app(live_settings)) as live:
+        live.user_token = live.add_user("root", Role.ADMIN)
+        first = child(live)
+        first.send_signal(signal.SIGSTOP)
+        second = child(live, other_than=first.pid)
+        assert not first.is_running() or first.status() == psutil.STATUS_ZOMBIE
+        assert second.status() != psutil.STATUS_STOPPED
+        node = register(live, "a")
+        job_id = submit(live, nnodes="1:1")
+        assert until(lambda: placed_on(live, node)) == [job_id]
 
 
 def test_a_registration_waits_for_the_child_s_pass(live: Cluster) -> None:
