@@ -96,6 +96,11 @@ class Options:
     reconciler_process: bool = True
     # RELAUNCH_GC_FREEZE: what the controller made at start left out of garbage collections.
     gc_freeze: bool = True
+    # RELAUNCH_DATABASE_PING_AFTER_IDLE_S=0 (a ping at every loan of a pooled connection)
+    # and RELAUNCH_HEARTBEAT_ONE_STATEMENT=false (a heartbeat is a transaction of two).
+    every_round_trip: bool = False
+    # RELAUNCH_HEARTBEAT_THREADS of the controller; None: its default.
+    heartbeat_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,11 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
         "RELAUNCH_RECONCILER_PROCESS": "true" if options.reconciler_process else "false",
         "RELAUNCH_GC_FREEZE": "true" if options.gc_freeze else "false",
     }
+    if options.heartbeat_threads is not None:
+        env["RELAUNCH_HEARTBEAT_THREADS"] = str(options.heartbeat_threads)
+    if options.every_round_trip:
+        env["RELAUNCH_DATABASE_PING_AFTER_IDLE_S"] = "0"
+        env["RELAUNCH_HEARTBEAT_ONE_STATEMENT"] = "false"
     if options.heartbeats_per_s_max is not None:
         env["RELAUNCH_HEARTBEATS_PER_S_MAX"] = f"{options.heartbeats_per_s_max:g}"
     database = None
@@ -210,6 +220,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             pool.starmap(time.sleep, [(0,)] * options.readers)  # the readers are up
             before = await _scrape(http, metrics_token)
             cpu_before, my_cpu_before = _cpu_split(controller), _cpu(me)
+            machine_before, database_before = psutil.cpu_times(), _database_cpu()
             start = time.monotonic()
             until[0] = start + options.seconds
             stats.reset()
@@ -227,6 +238,10 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             cpu_after = _cpu_split(controller)
             cpu = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
             my_cpu = _cpu(me) - my_cpu_before
+            machine = _machine_shares(machine_before, psutil.cpu_times())
+            machine["database_server_share_of_one_core"] = (
+                _cpu_since(database_before, _database_cpu()) / wall
+            )
             try:
                 after = await asyncio.wait_for(_scrape(http, metrics_token), 30.0)
                 metrics_s = time.monotonic() - start
@@ -240,6 +255,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
     result["reconcile"]["measured_over_s"] = metrics_s
+    result["machine"] = machine
     result["setup"]["registrations"] = vars(registrations)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     return result
@@ -406,6 +422,36 @@ def _cpu_split(controller: psutil.Process) -> tuple[float, float]:
         with contextlib.suppress(psutil.NoSuchProcess):
             children += _cpu(child)
     return _cpu(controller), children
+
+
+def _database_cpu() -> dict[int, float]:
+    """CPU seconds of each process of the PostgreSQL server (its backends and its own),
+    by pid; none on a machine without one running."""
+    seconds: dict[int, float] = {}
+    for process in psutil.process_iter(["name", "cpu_times"]):
+        if process.info["name"] == "postgres" and process.info["cpu_times"] is not None:
+            times = process.info["cpu_times"]
+            seconds[process.pid] = float(times.user + times.system)
+    return seconds
+
+
+def _cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two ``_database_cpu`` readings by the processes alive at
+    the second (a backend that exited between them is not counted)."""
+    return sum(spent - before.get(pid, 0.0) for pid, spent in after.items())
+
+
+def _machine_shares(before: Any, after: Any) -> dict[str, float]:
+    """How busy the whole machine was between two ``psutil.cpu_times()`` readings: the
+    share of all its cores' time spent busy, and in the kernel."""
+    spent = {
+        field: getattr(after, field) - getattr(before, field)
+        for field in after._fields
+        if field not in ("guest", "guest_nice")  # Linux counts them in user and nice too
+    }
+    total = sum(spent.values()) or 1.0
+    idle = spent.get("idle", 0.0) + spent.get("iowait", 0.0)
+    return {"busy_share": 1 - idle / total, "system_share": spent.get("system", 0.0) / total}
 
 
 def _rss_tree(process: psutil.Process) -> int:
@@ -663,6 +709,12 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
         f"{result['setup']['register_s']:.1f} s"
     )
+    machine = result["machine"]
+    console.print(
+        f"machine: {100 * machine['busy_share']:.0f} % of all cores busy, "
+        f"{100 * machine['system_share']:.0f} % in the kernel; PostgreSQL server "
+        f"{100 * machine['database_server_share_of_one_core']:.0f} % of one core"
+    )
     console.print(f"garbage collections of the API's process (count, time): {_gc_line(ctl)}")
     regs, setup = result["setup"]["registrations"], result["setup"]
     console.print(
@@ -734,6 +786,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="first run the same load with every object of the controller's start collected",
     )
+    parser.add_argument(
+        "--baseline-every-round-trip",
+        action="store_true",
+        help="first run the same load with a ping at every loan of a pooled connection and "
+        "each heartbeat a transaction of two statements",
+    )
+    parser.add_argument(
+        "--baseline-shared-threads",
+        action="store_true",
+        help="first run the same load with heartbeats answered on the API's threads, "
+        "beside reports and reads (no threads of their own)",
+    )
     args = parser.parse_args(argv)
     options = Options(
         nodes=args.nodes,
@@ -747,32 +811,12 @@ def main(argv: list[str] | None = None) -> None:
         heartbeats_per_s_max=args.heartbeats_per_s_max,
         register_timeout_s=args.register_timeout_s,
     )
+    chosen = [flag for flag in BASELINES if getattr(args, flag)]
     runs: dict[str, dict[str, Any]]
-    if args.baseline_no_registration_key:
-        runs = {
-            "no registration key": run(replace(options, registration_key=False)),
-            "registration key": run(options),
-        }
-        side_by_side = print_registrations
-    elif args.baseline_fixed_interval:
-        runs = {
-            "fixed interval": run(replace(options, heartbeats_per_s_max=FIXED_INTERVAL_BUDGET)),
-            "paced": run(options),
-        }
-        side_by_side = print_side_by_side
-    elif args.baseline_reconciler_thread:
-        runs = {
-            "reconciler thread": run(replace(options, reconciler_process=False)),
-            "reconciler process": run(options),
-        }
-        side_by_side = functools.partial(
-            print_side_by_side, title="the reconciler's thread or process: the same load"
-        )
-    elif args.baseline_no_gc_freeze:
-        runs = {"no gc freeze": run(replace(options, gc_freeze=False)), "gc freeze": run(options)}
-        side_by_side = functools.partial(
-            print_side_by_side, title="the start's objects collected or frozen: the same load"
-        )
+    side_by_side: Callable[[dict[str, dict[str, Any]]], None] | None
+    if chosen:
+        changes, (baseline, given), side_by_side = BASELINES[chosen[0]]
+        runs = {baseline: run(replace(options, **changes)), given: run(options)}
     else:
         runs = {"": run(options)}
         side_by_side = None
@@ -850,6 +894,11 @@ def print_side_by_side(
          lambda r: f"{100 * r['controller']['reconciler_process_cpu_share_of_one_core']:.0f} %"),
         ("gen 2 garbage collections: count, total, p99 (ms)",
          lambda r: _gen2(r["controller"]["gc_pauses"]["2"])),
+        ("PostgreSQL server CPU (share of a core)",
+         lambda r: f"{100 * r['machine']['database_server_share_of_one_core']:.0f} %"),
+        ("machine busy, of it in the kernel (all cores)",
+         lambda r: f"{100 * r['machine']['busy_share']:.0f} %, "
+         f"{100 * r['machine']['system_share']:.0f} %"),
     ]  # fmt: skip
     _print_columns(f"{title}, back to back", runs, rows)
 
@@ -863,6 +912,48 @@ def _print_columns(title: str, runs: dict[str, dict[str, Any]], rows: list[Row])
     for label, cell in rows:
         table.add_row(label, *(cell(r) for r in runs.values()))
     console.print(table)
+
+
+def _same_load(title: str) -> Callable[[dict[str, dict[str, Any]]], None]:
+    return functools.partial(print_side_by_side, title=f"{title}: the same load")
+
+
+# Each --baseline-* flag (as ``args`` names it): what its first run changes in ``Options``,
+# the two runs' names, and how they are printed side by side.
+BASELINES: dict[
+    str, tuple[dict[str, Any], tuple[str, str], Callable[[dict[str, dict[str, Any]]], None]]
+] = {
+    "baseline_no_registration_key": (
+        {"registration_key": False},
+        ("no registration key", "registration key"),
+        print_registrations,
+    ),
+    "baseline_fixed_interval": (
+        {"heartbeats_per_s_max": FIXED_INTERVAL_BUDGET},
+        ("fixed interval", "paced"),
+        print_side_by_side,
+    ),
+    "baseline_reconciler_thread": (
+        {"reconciler_process": False},
+        ("reconciler thread", "reconciler process"),
+        _same_load("the reconciler's thread or process"),
+    ),
+    "baseline_no_gc_freeze": (
+        {"gc_freeze": False},
+        ("no gc freeze", "gc freeze"),
+        _same_load("the start's objects collected or frozen"),
+    ),
+    "baseline_every_round_trip": (
+        {"every_round_trip": True},
+        ("every round trip", "fewer round trips"),
+        _same_load("round trips to the database"),
+    ),
+    "baseline_shared_threads": (
+        {"heartbeat_threads": 0},
+        ("shared threads", "heartbeats' own"),
+        _same_load("heartbeats on threads of their own"),
+    ),
+}
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@ nodes, a few jobs, a few seconds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.control_plane import Options, histogram_quantile, run, share_within
+from bench.control_plane import BASELINES, Options, histogram_quantile, run, share_within
 from bench.sim_nodes import Training
 
 
@@ -42,6 +43,8 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     ]
     assert all(r["requests"] > 0 for r in result["reads"])
     assert result["controller"]["rss_mib_max"] > 0
+    assert 0 < result["machine"]["busy_share"] <= 1
+    assert 0 <= result["machine"]["system_share"] < result["machine"]["busy_share"]
 
 
 def test_quantiles_from_cumulative_buckets() -> None:
@@ -52,3 +55,11 @@ def test_quantiles_from_cumulative_buckets() -> None:
     assert histogram_quantile(0.99, cumulative) == 0.5  # in +Inf: the largest finite bound
     assert share_within(cumulative, 0.1) == 0.5
     assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) != 0.0  # NaN
+
+
+def test_every_baseline_changes_fields_the_options_have() -> None:
+    for flag, (changes, names, _) in BASELINES.items():
+        assert flag.startswith("baseline_") and len(set(names)) == 2
+        changed = replace(Options(), **changes)  # a field Options lacks raises TypeError
+        assert all(getattr(changed, k) == v for k, v in changes.items()), flag
+        assert any(getattr(Options(), k) != v for k, v in changes.items()), flag
