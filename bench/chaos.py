@@ -127,6 +127,7 @@ class Fault:
     last_snapshot_before: int | None = None
     resumed_from: list[int] = field(default_factory=list)
     note: str = ""
+    spent_s: float | None = None  # the campaign's time on it: injection, recovery, settling
 
 
 @dataclass
@@ -380,6 +381,11 @@ class Campaign:
         last = ts(starts[-1]["time"])
         return any(ts(m["time"]) > last for m in self.metrics(job_id)[-5:])
 
+    def settled_or_ended(self, job_id: int) -> bool:
+        """Nothing more to wait for: settled, or the job is over (a campaign that waits on
+        an ended job only loses time)."""
+        return self.api.job(job_id)["state"] in TERMINAL or self.settled(job_id)
+
     def last_snapshot_before(self, job_id: int, at: float) -> int | None:
         steps = [s["step"] for s in self.api.snapshots(job_id) if ts(s["created_at"]) <= at]
         return max(steps) if steps else None
@@ -419,9 +425,12 @@ class Campaign:
                 break
             kind = self.draw(job_id)
             drawn += 1
+            before = len(self.faults)
             self.inject(job_id, kind, recovery_timeout_s)
-            if not until("settled", lambda: self.settled(job_id), 60):
+            if not until("settled", lambda: self.settled_or_ended(job_id), 60):
                 self.faults[-1].note += "not settled 60 s after; "
+            for fault in self.faults[before:]:  # a node kill brings its replacement
+                fault.spent_s = round(time.time() - fault.at, 1)
             next_at = max(next_at + interval_s, time.time() + 1)
         window = (self.began, time.time())
         job = until(
@@ -684,7 +693,8 @@ def overlap(t0: float, t1: float, lo: float, hi: float) -> float:
 
 def print_report(result: CampaignResult, console: Console) -> None:
     table = Table(title=f"fault campaign, seed {result.seed}")
-    for col in ("#", "at s", "fault", "node", "world", "training again", "charged", "note"):
+    columns = ("#", "at s", "fault", "node", "world", "training again", "charged", "spent")
+    for col in (*columns, "note"):
         table.add_column(col)
     for f in result.faults:
         charged = "yes" if f.charged else "no"
@@ -701,6 +711,7 @@ def print_report(result: CampaignResult, console: Console) -> None:
             f"{f.world_before} → {f.world_after if f.world_after is not None else '?'}",
             again,
             charged,
+            "-" if f.spent_s is None else f"{f.spent_s:.1f} s",
             f.note.strip("; "),
         )
     console.print(table)
