@@ -35,6 +35,7 @@ import math
 import multiprocessing
 import re
 import secrets
+import statistics
 import tempfile
 import time
 import uuid
@@ -101,6 +102,8 @@ class Options:
     every_round_trip: bool = False
     # RELAUNCH_HEARTBEAT_THREADS of the controller; None: its default.
     heartbeat_threads: int | None = None
+    # RELAUNCH_HEARTBEAT_WAIT_MAX_S of the controller (0: no heartbeat shed); None: default.
+    heartbeat_wait_max_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
     }
     if options.heartbeat_threads is not None:
         env["RELAUNCH_HEARTBEAT_THREADS"] = str(options.heartbeat_threads)
+    if options.heartbeat_wait_max_s is not None:
+        env["RELAUNCH_HEARTBEAT_WAIT_MAX_S"] = f"{options.heartbeat_wait_max_s:g}"
     if options.every_round_trip:
         env["RELAUNCH_DATABASE_PING_AFTER_IDLE_S"] = "0"
         env["RELAUNCH_HEARTBEAT_ONE_STATEMENT"] = "false"
@@ -225,6 +230,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             until[0] = start + options.seconds
             stats.reset()
             rss: list[int] = []
+            running: list[int] = []
             latest: list[tuple[float, Samples]] = []
             reads, *_ = await asyncio.gather(
                 asyncio.to_thread(
@@ -232,6 +238,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 ),
                 _watch_metrics(http, metrics_token, until[0], latest),
                 _sample_rss(controller, until[0], rss),
+                _sample_running(stats, until[0], running),
                 *serving,
             )
             wall = time.monotonic() - start
@@ -257,6 +264,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
     result["reconcile"]["measured_over_s"] = metrics_s
     result["machine"] = machine
     result["setup"]["registrations"] = vars(registrations)
+    result["offered"] = offered(stats, running, wall)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     return result
 
@@ -407,6 +415,28 @@ async def _sample_rss(process: psutil.Process, until: float, into: list[int]) ->
     while time.monotonic() < until:
         into.append(_rss_tree(process))
         await asyncio.sleep(1.0)
+
+
+async def _sample_running(stats: FleetStats, until: float, into: list[int]) -> None:
+    while time.monotonic() < until:
+        into.append(stats.running)
+        await asyncio.sleep(1.0)
+
+
+def offered(stats: FleetStats, running: list[int], wall: float) -> dict[str, float]:
+    """The load the fleet put on the controller. It is not fixed: a node asks for work
+    and reports on it, so a controller that places more jobs (or places them on one node
+    rather than two) gets more requests, and its latencies are those of a heavier load.
+    Heartbeats count every answer, a shed one's 503 included."""
+    return {
+        "runs_running_mean": statistics.fmean(running) if running else float("nan"),
+        "runs_running_max": max(running, default=0),
+        "runs_per_job_placed": stats.runs_started / len(stats.jobs_placed)
+        if stats.jobs_placed
+        else float("nan"),
+        "reports_per_s": len(stats.report_ms) / wall,
+        "heartbeats_per_s": len(stats.heartbeat_ms) / wall,
+    }
 
 
 def _cpu(process: psutil.Process) -> float:
@@ -600,6 +630,12 @@ def _result(
             # machine).
             "server_p50_ms": 1000 * histogram_quantile(0.5, beats),
             "server_p99_ms": 1000 * histogram_quantile(0.99, beats),
+            "shed": {
+                reason: _delta(
+                    before, after, "relaunch_requests_shed_total", lane="heartbeat", reason=reason
+                )
+                for reason in ("waited", "gone")
+            },
         },
         "reports": {
             "count": len(stats.report_ms),
@@ -669,6 +705,12 @@ def print_table(result: dict[str, Any]) -> None:
             f"; {hb['timed_out']} unanswered in {AGENT_TIMEOUT_S:g} s (counted at that)"
             if hb["timed_out"]
             else ""
+        )
+        + (
+            f"; shed (503, counted at their time): {hb['shed']['waited']:.0f} waited too "
+            f"long, {hb['shed']['gone']:.0f} after their node gave up"
+            if any(hb["shed"].values())
+            else ""
         ),
     )
     table.add_row(
@@ -708,6 +750,14 @@ def print_table(result: dict[str, Any]) -> None:
         f"{100 * result['bench_client_cpu_share_of_one_core']:.0f} % of one core. Setup: "
         f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
         f"{result['setup']['register_s']:.1f} s"
+    )
+    load = result["offered"]
+    console.print(
+        f"load offered: {load['runs_running_mean']:.0f} runs under way on mean (max "
+        f"{load['runs_running_max']}), {load['runs_per_job_placed']:.2f} runs (a node's "
+        "part of an attempt) per job placed, "
+        f"{load['reports_per_s']:.0f} reports/s and {load['heartbeats_per_s']:.0f} heartbeats/s "
+        "answered"
     )
     machine = result["machine"]
     console.print(
@@ -798,6 +848,12 @@ def main(argv: list[str] | None = None) -> None:
         help="first run the same load with heartbeats answered on the API's threads, "
         "beside reports and reads (no threads of their own)",
     )
+    parser.add_argument(
+        "--baseline-no-shedding",
+        action="store_true",
+        help="first run the same load with every heartbeat worked on, however long it waited "
+        "and whether or not its node still waits for it",
+    )
     args = parser.parse_args(argv)
     options = Options(
         nodes=args.nodes,
@@ -873,15 +929,21 @@ def print_side_by_side(
     """The figures of the load, one column per run."""
     rows: list[Row] = [
         ("interval told (longest)", lambda r: f"{r['heartbeat']['interval_told_s_max']:.1f} s"),
-        ("heartbeats answered /s", lambda r: f"{r['heartbeat']['per_s']:.0f}"),
+        ("heartbeat answers /s (503s included)", lambda r: f"{r['heartbeat']['per_s']:.0f}"),
         ("heartbeat p50 / p99, nodes' side (ms)",
          lambda r: f"{r['heartbeat']['p50_ms']:.1f} / {r['heartbeat']['p99_ms']:.1f}"),
         ("heartbeat p50 / p99, controller's (ms)", lambda r: _pair(r["heartbeat"], "server_")),
         (f"unanswered within {AGENT_TIMEOUT_S:g} s", lambda r: f"{r['heartbeat']['timed_out']}"),
+        ("shed (503): waited, gone",
+         lambda r: f"{r['heartbeat']['shed']['waited']:.0f}, {r['heartbeat']['shed']['gone']:.0f}"),
         ("reconcile pass p50 / p99 (ms)",
          lambda r: f"{r['reconcile']['p50_ms']:.0f} / {r['reconcile']['p99_ms']:.0f}"),
         ("reconcile pass mean (ms)", lambda r: f"{r['reconcile']['mean_ms']:.0f}"),
         ("jobs placed", lambda r: f"{r['jobs']['placed']}"),
+        ("runs under way, mean (max)",
+         lambda r: f"{r['offered']['runs_running_mean']:.0f} ({r['offered']['runs_running_max']})"),
+        ("runs per job placed", lambda r: f"{r['offered']['runs_per_job_placed']:.2f}"),
+        ("reports answered /s", lambda r: f"{r['offered']['reports_per_s']:.0f}"),
         ("runs succeeded", lambda r: f"{r['jobs']['runs_succeeded']}"),
         ("nodes LOST at the end", lambda r: f"{r['nodes_by_state_at_end']['LOST']:.0f}"),
         ("report p50 / p99, nodes' side (ms)", lambda r: _pair(r["reports"])),
@@ -952,6 +1014,11 @@ BASELINES: dict[
         {"heartbeat_threads": 0},
         ("shared threads", "heartbeats' own"),
         _same_load("heartbeats on threads of their own"),
+    ),
+    "baseline_no_shedding": (
+        {"heartbeat_wait_max_s": 0.0},
+        ("no shedding", "shedding"),
+        _same_load("heartbeats nobody waits for worked on or shed"),
     ),
 }
 

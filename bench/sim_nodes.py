@@ -94,13 +94,15 @@ class FleetStats:
     runs_fenced: int = 0
     runs_stopped: int = 0
     jobs_placed: set[int] = field(default_factory=set)
+    running: int = 0  # runs under way now: the load the fleet offers follows it
 
     def error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def reset(self) -> None:
-        """Forget everything seen so far: the measurement starts now."""
-        for name, value in vars(FleetStats()).items():
+        """Forget everything seen so far: the measurement starts now (runs under way go
+        on)."""
+        for name, value in vars(FleetStats(running=self.running)).items():
             setattr(self, name, value)
 
 
@@ -251,6 +253,7 @@ class SimNode:
     async def _run(self, key: RunKey, members: int) -> None:
         """One run of an attempt on this node, from rendezvous to exit."""
         attempt_id, _ = key
+        self._stats.running += 1
         try:
             await self._train(key, members)
         except asyncio.CancelledError:
@@ -262,6 +265,7 @@ class SimNode:
         except _Fenced:
             self._stats.runs_fenced += 1
         finally:
+            self._stats.running -= 1
             self._finished.add(key)
             self._runs.pop(attempt_id, None)
             self._held.pop(key, None)

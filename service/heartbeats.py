@@ -30,6 +30,7 @@ more silence before it is lost (``service.reconciler.NodeView.extra_silence``).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -37,9 +38,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Engine, ScalarSelect, and_, bindparam, func, or_, select, true, update
+from sqlalchemy import Engine, ScalarSelect, Table, and_, bindparam, func, or_, select, true, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from contract.protocol import Assignment, Heartbeat
@@ -50,6 +52,8 @@ from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
 from service.secrets import Keyring
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState, NodeState
+
+logger = logging.getLogger(__name__)
 
 # Rendered assignments kept per controller: more than a fleet's running memberships.
 ANSWERS_KEPT = 20_000
@@ -103,6 +107,11 @@ class Pace:
         self._interval_s = self._base_s
         self._due_at: float | None = None  # when the next count is due; None: now
 
+    def last(self) -> float:
+        """The interval last told, without counting."""
+        with self._lock:
+            return self._interval_s
+
     def interval(self) -> float:
         with self._lock:
             now = self._clock()
@@ -133,6 +142,67 @@ class Rendered:
 
     assignment: Assignment
     json: bytes
+
+
+class Liveness:
+    """What an overloaded controller still records of the heartbeats it sheds
+    (``service.api.lane``): that the node was heard from, and when. A shed heartbeat
+    gets a 503 and no assignments, but a node whose heartbeats are all shed must not be
+    lost for it: that would fence its attempts and restart them, more work for a
+    controller that already has too much. ``note`` costs no database; ``flush`` (on a
+    heartbeat's own thread, before its work) writes what was noted in one batch of
+    UPDATEs that set only ``last_heartbeat_at``, for ALIVE nodes whose token matches,
+    never backwards, in the order of the nodes' ids (as every writer of many node rows
+    takes them). Notes are kept by node and token, so a shed heartbeat with a made-up
+    token cannot replace the node's own; at most ``PER_NODE`` tokens a node and ``size``
+    notes in all are kept until the next flush, later ones dropped. Safe to share between
+    threads."""
+
+    PER_NODE = 4
+
+    def __init__(self, size: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._size = size
+        self._noted: dict[tuple[int, str], datetime] = {}
+        self._per_node: dict[int, int] = {}
+
+    def note(self, node_id: int, token: str | None, now: datetime) -> None:
+        if token is None or not token.startswith(auth.NODE_TOKEN_PREFIX):
+            return  # not a node's token: what a flush would refuse anyway
+        key = (node_id, auth.token_hash(token))
+        with self._lock:
+            if key not in self._noted:
+                if len(self._noted) >= self._size or self._per_node.get(node_id, 0) >= (
+                    self.PER_NODE
+                ):
+                    return
+                self._per_node[node_id] = self._per_node.get(node_id, 0) + 1
+            self._noted[key] = max(now, self._noted.get(key, now))
+
+    def flush(self, factory: sessionmaker[Session]) -> int:
+        """Write what was noted; how many notes that was. A write that fails keeps them
+        for the next flush (a later note of the same node and token wins) and is logged,
+        not raised: the heartbeat that flushes still gets its own answer."""
+        with self._lock:
+            noted, self._noted, self._per_node = self._noted, {}, {}
+        if not noted:
+            return 0
+        batch = [
+            {"node_id": node_id, "node_token_hash": token_hash, "seen_at": seen_at}
+            for (node_id, token_hash), seen_at in sorted(noted.items())
+        ]
+        try:
+            with factory() as session, session.begin():
+                session.connection().execute(_SEEN, batch)
+        except SQLAlchemyError as exc:
+            logger.warning("could not record %d shed heartbeats yet: %s", len(batch), exc)
+            with self._lock:
+                for key, seen_at in noted.items():
+                    if key not in self._noted:
+                        self._per_node[key[0]] = self._per_node.get(key[0], 0) + 1
+                    self._noted[key] = max(seen_at, self._noted.get(key, seen_at))
+            return 0
+        return len(batch)
 
 
 class Answers:
@@ -365,6 +435,18 @@ _RECORD = (
     )
     .returning(Node.id)
     .execution_options(synchronize_session=False)
+)
+_NODES_TABLE = cast(Table, Node.__table__)
+_NODES = _NODES_TABLE.c
+_SEEN = (
+    update(_NODES_TABLE)
+    .where(
+        _NODES.id == bindparam("node_id"),
+        _NODES.token_hash == bindparam("node_token_hash"),
+        _NODES.state == NodeState.ALIVE,
+        _NODES.last_heartbeat_at < bindparam("seen_at", type_=_NODES.last_heartbeat_at.type),
+    )
+    .values(last_heartbeat_at=bindparam("seen_at", type_=_NODES.last_heartbeat_at.type))
 )
 _ALIVE_NODES = select(func.count()).select_from(Node).where(Node.state == NodeState.ALIVE)
 _MEMBERSHIPS = (

@@ -141,6 +141,13 @@ class ControllerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.shed = Counter(
+            "relaunch_requests_shed_total",
+            "Requests answered 503 without being worked on, by lane (heartbeat) and reason: "
+            "gone (the client closed the connection) or waited (longer than the lane's bound)",
+            ["lane", "reason"],
+            registry=self.registry,
+        )
         self.request = Histogram(
             "relaunch_http_request_seconds",
             "Time to answer an HTTP request, by route template, method and status class",
@@ -239,6 +246,10 @@ def _counts(session: Session, state: InstrumentedAttribute[Any]) -> dict[Any, in
     return {value: count for value, count in rows}
 
 
+# Where ``RequestMetrics`` notes when a request reached the app (``time.monotonic``).
+ARRIVED = "relaunch.arrived"
+
+
 class RequestMetrics:
     """Times every HTTP request into ``relaunch_http_request_seconds``, labelled by the
     route's path template; heartbeats also into ``relaunch_heartbeat_seconds``.
@@ -259,6 +270,7 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        scope[ARRIVED] = time.monotonic()
         status = 500  # what the client gets if the app raises before it answers
 
         async def noting_status(message: Message) -> None:

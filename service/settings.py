@@ -79,6 +79,17 @@ class ControllerSettings(BaseSettings):
         "so that a heartbeat never waits for a thread behind reports and reads (each "
         "database pool grows by as many connections); 0: heartbeats share the API's threads",
     )
+    heartbeat_wait_max_s: float = Field(
+        default=4.0,
+        ge=0,
+        le=600,
+        description="A heartbeat that waited longer than this for one of heartbeat_threads "
+        "(from when it reached the controller), or whose node closed the connection "
+        "meanwhile, is answered 503 with Retry-After and not worked on: its node has given "
+        "up on it or is about to (agents wait 5 s); its node is still recorded as heard "
+        "from. Keeps an overloaded controller answering the heartbeats still waited for. "
+        "Only with heartbeat_threads above 0; 0: every heartbeat is worked on",
+    )
     credential_cache_s: float = Field(
         default=5.0,
         ge=0,

@@ -414,7 +414,9 @@ class NodeAgent:
             return
         except ControllerError as exc:
             logger.warning("node=%s heartbeat failed: %s", self._node_id, exc)
-            self._retry_heartbeat()
+            self._retry_heartbeat(
+                exc.retry_after_s if isinstance(exc, ControllerUnavailableError) else 0.0
+            )
             return
         self._heartbeats_failed = 0
         self._follow_pace(reply.heartbeat_interval_s)
@@ -440,13 +442,16 @@ class NodeAgent:
             if held is not None and held.assignment.member_id == assignment.member_id:
                 held.follow_membership(assignment)  # does not block
 
-    def _retry_heartbeat(self) -> None:
+    def _retry_heartbeat(self, retry_after_s: float = 0.0) -> None:
         """Send the next heartbeat after the base interval, then after twice that, and so
         on up to the paced one. A node at a long pace that waited a whole interval after
         a failure would have been silent for two; and a reply that was lost may have told
-        it a shorter interval than it follows."""
+        it a shorter interval than it follows. Not sooner than the controller's
+        ``Retry-After`` (``retry_after_s``): an overloaded controller that shed the
+        heartbeat recorded the node as heard from, and asks for the pace."""
         self._heartbeats_failed += 1
         retry_s = self._base_heartbeat_s * 2 ** min(self._heartbeats_failed - 1, 16)
+        retry_s = max(retry_s, retry_after_s)
         if retry_s < self._heartbeat_s:
             self._next_heartbeat = min(self._next_heartbeat, self._clock() + retry_s)
 

@@ -59,7 +59,15 @@ class ControllerError(Exception):
 
 
 class ControllerUnavailableError(ControllerError):
-    """No usable answer after the retries (connection refused, timeout, 502-504)."""
+    """No usable answer after the retries (connection refused, timeout, 502-504).
+    ``retry_after_s``: how long the controller's last answer asked to be left alone
+    (its ``Retry-After``; 0 where it said nothing)."""
+
+    def __init__(
+        self, message: str, status_code: int | None = None, retry_after_s: float = 0.0
+    ) -> None:
+        super().__init__(message, status_code)
+        self.retry_after_s = retry_after_s
 
 
 class UnknownNodeError(ControllerError):
@@ -84,10 +92,32 @@ class EnrolmentRefusedError(ControllerError):
         self.detail = detail
 
 
+# The longest Retry-After a call waits out before it asks again; a controller that asks
+# for longer (an overloaded one shedding heartbeats says the fleet's interval) gets no
+# second try in this call: the caller's own schedule decides when to ask again.
+RETRY_AFTER_IN_CALL_MAX_S = 2.0
+
+
 class _RetryableStatus(Exception):
     def __init__(self, response: httpx.Response) -> None:
         super().__init__(f"HTTP {response.status_code}")
         self.response = response
+        self.retry_after_s = _retry_after_s(response)
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """The Retry-After of ``response`` in seconds (0: none, or a date, which the
+    controller never sends)."""
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "0")))
+    except ValueError:
+        return 0.0
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    if isinstance(exc, _RetryableStatus):
+        return exc.retry_after_s <= RETRY_AFTER_IN_CALL_MAX_S
+    return isinstance(exc, httpx.TransportError)
 
 
 class ControllerClient:
@@ -181,10 +211,18 @@ class ControllerClient:
             raise ControllerError(f"POST {path}: unexpected reply: {exc}") from exc
 
     def _post(self, path: str, body: BaseModel, token: str) -> httpx.Response:
+        backoff = tenacity.wait_exponential(multiplier=self._backoff_s, max=2.0)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            """The backoff, or the controller's Retry-After if that is longer."""
+            failed = state.outcome.exception() if state.outcome is not None else None
+            asked = failed.retry_after_s if isinstance(failed, _RetryableStatus) else 0.0
+            return max(backoff(state), asked)
+
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
+            retry=tenacity.retry_if_exception(_worth_retrying),
             stop=tenacity.stop_after_attempt(self._attempts),
-            wait=tenacity.wait_exponential(multiplier=self._backoff_s, max=2.0),
+            wait=wait,
             reraise=True,
         )
         try:
@@ -205,7 +243,9 @@ class ControllerClient:
             raise ControllerUnavailableError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
         except _RetryableStatus as exc:
             raise ControllerUnavailableError(
-                f"POST {path}: {exc.response.status_code}", exc.response.status_code
+                f"POST {path}: {exc.response.status_code}",
+                exc.response.status_code,
+                exc.retry_after_s,
             ) from exc
         raise AssertionError("unreachable: tenacity either returns or reraises")
 

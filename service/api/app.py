@@ -47,7 +47,7 @@ from service.errors import (
     Unauthenticated,
 )
 from service.gc_pauses import freeze_what_started
-from service.heartbeats import Answers, OneStatement, Pace, count_alive
+from service.heartbeats import Answers, Liveness, OneStatement, Pace, count_alive
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
 from service.reconciler_process import ReconcilerProcess
@@ -164,6 +164,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = controller_metrics
     app.state.heartbeat_answers = Answers()
+    app.state.heartbeat_liveness = Liveness()
     app.state.heartbeat_one_statement = (
         OneStatement(engine)
         if settings.heartbeat_one_statement and OneStatement.serves(engine)

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Annotated
 
-import anyio
 from fastapi import Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
@@ -14,9 +13,10 @@ from starlette.concurrency import run_in_threadpool
 
 from service import auth
 from service.api.answers import AnswerCache
+from service.api.lane import Lane
 from service.db import transaction
 from service.errors import Forbidden, Unauthenticated
-from service.heartbeats import Answers, OneStatement, Pace
+from service.heartbeats import Answers, Liveness, OneStatement, Pace
 from service.metrics import ControllerMetrics
 from service.models import Node, Role, User
 from service.secrets import Keyring
@@ -81,13 +81,16 @@ async def get_pace(request: Request) -> Pace:
     return pace
 
 
-async def get_heartbeat_lane(request: Request) -> anyio.CapacityLimiter | None:
+async def get_heartbeat_lane(request: Request) -> Lane | None:
     """The threads that answer only heartbeats (``heartbeat_threads``; None: the API's
     own), made on first use, on the app's event loop."""
     state = request.app.state
-    lane: anyio.CapacityLimiter | None = getattr(state, "heartbeat_lane", None)
-    if lane is None and state.settings.heartbeat_threads > 0:
-        lane = state.heartbeat_lane = anyio.CapacityLimiter(state.settings.heartbeat_threads)
+    lane: Lane | None = getattr(state, "heartbeat_lane", None)
+    settings = state.settings
+    if lane is None and settings.heartbeat_threads > 0:
+        lane = state.heartbeat_lane = Lane(
+            settings.heartbeat_threads, settings.heartbeat_wait_max_s
+        )
     return lane
 
 
@@ -101,6 +104,12 @@ async def get_heartbeat_answers(request: Request) -> Answers:
     """The heartbeat answers this controller has rendered (``service.heartbeats``)."""
     answers: Answers = request.app.state.heartbeat_answers
     return answers
+
+
+async def get_heartbeat_liveness(request: Request) -> Liveness:
+    """What this controller notes of the heartbeats it sheds (``service.heartbeats``)."""
+    liveness: Liveness = request.app.state.heartbeat_liveness
+    return liveness
 
 
 async def get_wake(request: Request) -> Callable[[float], bool]:
@@ -136,7 +145,8 @@ CredentialsDep = Annotated[auth.CredentialCache, Depends(get_credentials)]
 AnswersDep = Annotated[AnswerCache, Depends(get_answers)]
 HeartbeatAnswersDep = Annotated[Answers, Depends(get_heartbeat_answers)]
 OneStatementDep = Annotated[OneStatement | None, Depends(get_one_statement)]
-HeartbeatLaneDep = Annotated[anyio.CapacityLimiter | None, Depends(get_heartbeat_lane)]
+HeartbeatLaneDep = Annotated[Lane | None, Depends(get_heartbeat_lane)]
+LivenessDep = Annotated[Liveness, Depends(get_heartbeat_liveness)]
 PaceDep = Annotated[Pace, Depends(get_pace)]
 WakeDep = Annotated[Callable[[float], bool], Depends(get_wake)]
 

@@ -14,10 +14,12 @@ that may itself be waiting for that connection or lock.
 from __future__ import annotations
 
 import functools
+import math
 from datetime import datetime
 
 import anyio
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response, status
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,6 +43,7 @@ from service.api.deps import (
     HeartbeatLaneDep,
     IdPath,
     KeyringDep,
+    LivenessDep,
     MetricsDep,
     NodeDep,
     NowDep,
@@ -55,6 +58,7 @@ from service.api.deps import (
     WakeDep,
     get_node,
 )
+from service.api.lane import Shed
 from service.db import retry_on_stale, transaction, transaction_if_asked
 from service.errors import Unauthenticated
 from service.heartbeats import Answers, OneStatement, Pace
@@ -64,6 +68,10 @@ from service.secrets import Keyring
 from service.settings import ControllerSettings
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
+# The least Retry-After of a shed heartbeat: more than an agent's client waits out within
+# one call (``worker.client.RETRY_AFTER_IN_CALL_MAX_S``), so a shed heartbeat is not tried
+# again at once; the agent's own schedule sends the next.
+SHED_RETRY_AFTER_MIN_S = 3
 # How long a registration waits for the reconciler's pass that it started.
 REGISTER_WAITS_FOR_PASS_S = 1.0
 
@@ -109,9 +117,16 @@ async def heartbeat(
     pace: PaceDep,
     now: NowDep,
     lane: HeartbeatLaneDep,
+    liveness: LivenessDep,
+    metrics: MetricsDep,
+    request: Request,
 ) -> Response:
     """Answered on the heartbeats' own threads (``heartbeat_threads``), which reports and
-    reads do not take: a node whose heartbeats wait is lost."""
+    reads do not take: a node whose heartbeats wait is lost. 503 with Retry-After (the
+    interval this controller tells nodes, at least ``SHED_RETRY_AFTER_MIN_S``): the
+    heartbeat waited longer than ``heartbeat_wait_max_s`` or its node left meanwhile, and
+    was not worked on (``service.api.lane``); its node is still recorded as heard from, in
+    a batch written before a later heartbeat's work (``heartbeats.Liveness``)."""
     answer = functools.partial(
         _heartbeat,
         node_id,
@@ -126,7 +141,27 @@ async def heartbeat(
         pace,
         now,
     )
-    return await anyio.to_thread.run_sync(answer, limiter=lane)
+    if lane is None:
+        return await anyio.to_thread.run_sync(answer)
+
+    def flushed_then_answered() -> Response:
+        liveness.flush(factory)
+        return answer()
+
+    try:
+        return await lane.run(request, flushed_then_answered)
+    except Shed as shed:
+        liveness.note(node_id, credentials.credentials if credentials else None, now)
+        metrics.shed.labels("heartbeat", shed.reason).inc()
+        retry_s = max(math.ceil(pace.last()), SHED_RETRY_AFTER_MIN_S)
+        return JSONResponse(
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            content={
+                "detail": f"the controller is overloaded: this heartbeat was not worked on "
+                f"({shed}), though its node is recorded as heard from; retry after {retry_s} s"
+            },
+            headers={"Retry-After": str(retry_s)},
+        )
 
 
 def _heartbeat(

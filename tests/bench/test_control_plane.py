@@ -43,6 +43,10 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     ]
     assert all(r["requests"] > 0 for r in result["reads"])
     assert result["controller"]["rss_mib_max"] > 0
+    load = result["offered"]
+    assert load["runs_running_max"] >= 1 and load["runs_running_mean"] > 0, load
+    assert load["runs_per_job_placed"] >= 1, load
+    assert load["reports_per_s"] > 0 and load["heartbeats_per_s"] > 0, load
     assert 0 < result["machine"]["busy_share"] <= 1
     assert 0 <= result["machine"]["system_share"] < result["machine"]["busy_share"]
 

@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from service import heartbeats, reports
+from service.api import nodes as nodes_api
 from service.api.app import create_app
+from service.api.lane import Lane
 from service.db import make_engine, make_session_factory, transaction
 from service.models import Node
 from service.settings import ControllerSettings
@@ -46,7 +51,13 @@ def server_url(settings: ControllerSettings, clock: FakeClock) -> Iterator[str]:
 @contextmanager
 def served(settings: ControllerSettings, clock: FakeClock) -> Iterator[str]:
     """The URL of the controller served by uvicorn, its lifespan included."""
-    app = create_app(settings, clock=clock, run_background=False)
+    with serving(create_app(settings, clock=clock, run_background=False)) as url:
+        yield url
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """The URL of ``app`` served by uvicorn, its lifespan included."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -142,6 +153,129 @@ def test_a_heartbeat_is_answered_while_every_api_thread_is_taken(
         finally:
             release.set()
         assert [h.result(timeout=60).status_code for h in held] == [200, 200]
+
+
+class HeldHeartbeats:
+    """The heartbeat route's work, counted; the first call holds its thread until
+    ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = nodes_api._heartbeat
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                self.entered.set()
+                self.release.wait(120)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(nodes_api, "_heartbeat", held)
+
+
+def _lane(app: FastAPI) -> Lane:
+    lane: Lane = app.state.heartbeat_lane
+    return lane
+
+
+def _shed(app: FastAPI, reason: str) -> float:
+    value = app.state.metrics.registry.get_sample_value(
+        "relaunch_requests_shed_total", {"lane": "heartbeat", "reason": reason}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("wait_max_s", [0.5, 0.0])
+def test_a_heartbeat_that_waited_too_long_for_its_thread_is_shed(
+    settings: ControllerSettings,
+    db_url: str,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+    wait_max_s: float,
+) -> None:
+    """One heartbeat thread, held by a heartbeat; a second one waits for it longer than
+    ``heartbeat_wait_max_s`` and is answered 503 with Retry-After, never worked on, yet
+    its node is recorded as heard from then (written before another node's heartbeat);
+    the next is answered. With 0, every heartbeat is worked on however long it waited."""
+    work = HeldHeartbeats(monkeypatch)
+    one_lane = settings.model_copy(
+        update={"heartbeat_threads": 1, "heartbeat_wait_max_s": wait_max_s}
+    )
+    app = create_app(one_lane, clock=clock, run_background=False)
+    with serving(app) as url, ThreadPoolExecutor(2) as pool:
+        (node_id, token), other = _register(url, 0), _register(url, 1)
+
+        def beat(node: int = node_id, as_token: str = token) -> httpx.Response:
+            return httpx.post(
+                f"{url}/api/v1/nodes/{node}/heartbeat",
+                json={"running": []},
+                headers=bearer(as_token),
+                timeout=60,
+            )
+
+        try:
+            first = pool.submit(beat)
+            assert work.entered.wait(60)
+            clock.advance(5)  # the second heartbeat's time
+            second = pool.submit(beat)
+            wait_for("the second to wait for the thread", lambda: _lane(app).waiting() == 1, 60)
+            time.sleep(1.0)  # and it waits longer than 0.5 s
+        finally:
+            work.release.set()
+        assert first.result(timeout=60).status_code == 200
+        answer = second.result(timeout=60)
+        if wait_max_s:
+            assert answer.status_code == 503, answer.text
+            # The interval nodes are told (1 s) is less than a client retries in its call.
+            assert answer.headers["retry-after"] == str(nodes_api.SHED_RETRY_AFTER_MIN_S)
+            assert "overloaded" in answer.json()["detail"]
+            assert (work.calls, _shed(app, "waited")) == (1, 1)
+        else:
+            assert answer.status_code == 200, answer.text
+            assert (work.calls, _shed(app, "waited")) == (2, 0)
+        assert beat(*other).status_code == 200  # writes what was noted first
+        assert _last_heartbeats(db_url)[node_id] == clock.now
+        assert beat().status_code == 200
+        assert work.calls == (3 if wait_max_s else 4)
+
+
+def _last_heartbeats(db_url: str) -> dict[int, Any]:
+    engine = make_engine(db_url)
+    try:
+        with transaction(make_session_factory(engine)) as session:
+            return dict(session.execute(select(Node.id, Node.last_heartbeat_at)).all())
+    finally:
+        engine.dispose()
+
+
+def test_a_heartbeat_whose_node_gave_up_is_not_worked_on(
+    settings: ControllerSettings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second heartbeat's client gives up while it waits for the one thread (as an
+    agent does after 5 s); when its turn comes it is dropped, not worked on."""
+    work = HeldHeartbeats(monkeypatch)
+    one_lane = settings.model_copy(update={"heartbeat_threads": 1, "heartbeat_wait_max_s": 60})
+    app = create_app(one_lane, clock=clock, run_background=False)
+    with serving(app) as url, ThreadPoolExecutor(2) as pool:
+        node_id, token = _register(url, 0)
+        route, headers = f"{url}/api/v1/nodes/{node_id}/heartbeat", bearer(token)
+        try:
+            first = pool.submit(httpx.post, route, json={"running": []}, headers=headers)
+            assert work.entered.wait(60)
+            second = pool.submit(
+                httpx.post, route, json={"running": []}, headers=headers, timeout=3
+            )
+            wait_for("the second to wait for the thread", lambda: _lane(app).waiting() == 1, 60)
+            with pytest.raises(httpx.ReadTimeout):
+                second.result(timeout=60)  # its client gives up, and closes the connection
+        finally:
+            work.release.set()
+        assert first.result(timeout=60).status_code == 200
+        wait_for("the abandoned heartbeat to be shed", lambda: _shed(app, "gone") == 1, 30)
+        assert work.calls == 1
+        assert httpx.post(route, json={"running": []}, headers=headers).status_code == 200
+        assert (work.calls, _shed(app, "waited")) == (2, 0)
 
 
 def test_a_locked_sqlite_database_is_a_503_to_retry(

@@ -3,14 +3,15 @@ answer is rendered once per change."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select, text
 
 from service import heartbeats
 from service.api.app import create_app
-from service.models import Role
+from service.models import Node, Role
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
@@ -151,3 +152,64 @@ def test_a_lost_node_heartbeating_again_is_alive_and_told_nothing_it_lost(
     assert running(api, a, [assignment["attempt_id"]]) == []
     nodes = {n["id"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
     assert nodes[a] == "ALIVE"
+
+
+def test_a_shed_heartbeat_keeps_only_its_own_alive_node_heard_from(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """What ``Liveness`` writes: the time a shed heartbeat came, for an ALIVE node whose
+    token it carried; never a LOST node's, never another node's token, never backwards."""
+    a, b, lost = register(api, "a"), register(api, "b"), register(api, "lost")
+    reconciler.run_once()
+    clock.advance(11)
+    heartbeat(api, a)
+    heartbeat(api, b)
+    reconciler.run_once()
+    states = {n["id"]: n["state"] for n in api.get("/api/v1/nodes").json()["items"]}
+    assert states == {a: "ALIVE", b: "ALIVE", lost: "LOST"}
+    before = last_heard(api)
+    liveness = heartbeats.Liveness()
+    later = clock.now + timedelta(seconds=3)
+    liveness.note(a, api.node_tokens[a], later)
+    liveness.note(b, api.node_tokens[a], later)  # a's token on b's heartbeat
+    liveness.note(lost, api.node_tokens[lost], later)
+    liveness.note(b, "rlu_not-a-node-token", later)  # not noted: a user token
+    assert liveness.flush(api.app.state.session_factory) == 3  # type: ignore[attr-defined]
+    assert last_heard(api) == before | {a: later}
+    # A made-up token on a's shed heartbeat does not replace a's own note.
+    liveness.note(a, api.node_tokens[a], later + timedelta(seconds=1))
+    liveness.note(a, "rln_made-up", later + timedelta(seconds=2))
+    liveness.flush(api.app.state.session_factory)  # type: ignore[attr-defined]
+    later += timedelta(seconds=1)
+    assert last_heard(api)[a] == later
+    liveness.note(a, api.node_tokens[a], clock.now)  # older than what is stored
+    liveness.flush(api.app.state.session_factory)  # type: ignore[attr-defined]
+    assert last_heard(api)[a] == later
+    assert liveness.flush(api.app.state.session_factory) == 0  # type: ignore[attr-defined]
+
+
+def last_heard(api: Cluster) -> dict[int, datetime]:
+    with api.app.state.session_factory() as session:  # type: ignore[attr-defined]
+        return dict(session.execute(select(Node.id, Node.last_heartbeat_at)).all())  # type: ignore[arg-type]
+
+
+def test_liveness_keeps_few_notes_a_node_and_a_failed_write_for_the_next(
+    api: Cluster, monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+) -> None:
+    """Made-up tokens for one node fill only that node's few places, and a write that
+    fails keeps its notes for the next flush instead of losing them."""
+    a = register(api, "a")
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    liveness = heartbeats.Liveness()
+    for n in range(10):
+        liveness.note(a, f"rln_made-up-{n}", clock.now)
+    liveness.note(a, api.node_tokens[a], clock.now)  # too late: a's places are taken
+    assert liveness.flush(factory) == heartbeats.Liveness.PER_NODE
+
+    later = clock.now + timedelta(seconds=3)
+    liveness.note(a, api.node_tokens[a], later)
+    monkeypatch.setattr(heartbeats, "_SEEN", text("UPDATE no_such_table SET x = :seen_at"))
+    assert liveness.flush(factory) == 0  # failed, logged, kept
+    monkeypatch.undo()
+    assert liveness.flush(factory) == 1
+    assert last_heard(api)[a] == later

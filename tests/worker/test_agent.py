@@ -203,6 +203,36 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
     assert sent_at[:5] == [10.0, 12.0, 16.0, 24.0, 34.0]
 
 
+def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Path) -> None:
+    """An overloaded controller sheds a heartbeat with 503 and Retry-After (it recorded the
+    node as heard from): the next goes after that wait, not after the base interval; a
+    wait longer than the pace leaves the paced schedule as it was."""
+    agent, client, clock = _agent(tmp_path)
+
+    def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
+        client.calls.append(f"heartbeat {node_id}")
+        if client.heartbeat_failures:
+            raise client.heartbeat_failures.pop(0)
+        return HeartbeatReply(heartbeat_interval_s=10.0)
+
+    client.heartbeat = paced  # type: ignore[method-assign]
+    agent.step()
+    agent.step()  # paced at 10 s from here
+    client.heartbeat_failures = [
+        ControllerUnavailableError("shed", 503, retry_after_s=5.0),
+        ControllerUnavailableError("shed", 503, retry_after_s=30.0),
+    ]
+    sent_at = []
+    for tick in range(1, 400):
+        clock.now = 100.0 + tick / 10 + 0.01
+        before = client.calls.count("heartbeat 7")
+        agent.step()
+        if client.calls.count("heartbeat 7") > before:
+            sent_at.append(round(clock.now - 100.0, 1))
+    # 10: shed, asks 5 s (not the 2 s base); 15: shed, asks 30 s: the pace (10 s) wins
+    assert sent_at[:4] == [10.0, 15.0, 25.0, 35.0]
+
+
 class NewsyAttempt:
     """An attempt with something new to report at every report tick (no processes): each
     report is one log line, the last one its exit once ``exit`` is set."""

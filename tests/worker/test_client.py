@@ -1,3 +1,5 @@
+import time
+
 import httpx
 import pytest
 
@@ -107,6 +109,41 @@ def test_gateway_errors_are_retried() -> None:
 
     with _client(httpx.MockTransport(handle)) as client:
         assert client.report(1, AttemptReport(attempt_id=1)).accepted
+
+
+def test_a_503_that_asks_for_a_long_wait_is_not_retried_in_the_call() -> None:
+    """An overloaded controller sheds a heartbeat with Retry-After the fleet's interval:
+    the call ends at once (the agent's own schedule sends the next), not three tries in
+    half a second."""
+    sent: list[float] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append(time.monotonic())
+        return httpx.Response(503, json={"detail": "overloaded"}, headers={"retry-after": "10"})
+
+    with (
+        _client(httpx.MockTransport(handle)) as client,
+        pytest.raises(ControllerUnavailableError) as failed,
+    ):
+        client.heartbeat(1, Heartbeat())
+    assert failed.value.status_code == 503
+    assert failed.value.retry_after_s == 10  # for the agent's own schedule
+    assert len(sent) == 1
+
+
+def test_a_short_retry_after_is_waited_out_before_the_next_try() -> None:
+    sent: list[float] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append(time.monotonic())
+        if len(sent) == 1:
+            return httpx.Response(503, json={"detail": "busy"}, headers={"retry-after": "1"})
+        return httpx.Response(200, json={"assignments": []})
+
+    with _client(httpx.MockTransport(handle)) as client:
+        assert client.heartbeat(1, Heartbeat()).assignments == []
+    assert len(sent) == 2
+    assert sent[1] - sent[0] >= 1.0  # not the 1 ms backoff this client is given
 
 
 def test_404_on_heartbeat_means_unknown_node() -> None:
