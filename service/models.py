@@ -293,7 +293,13 @@ class JobEvent(Base):
     """One line of a job's timeline."""
 
     __tablename__ = "job_events"
-    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+    # By job: the timeline's pages. By attempt: what a report reads of its attempt's
+    # timeline (its last membership change, its node's rendezvous round), on every report
+    # that carries events; without it each was a scan of every job's events.
+    __table_args__ = (
+        Index("ix_job_events_job_id_id", "job_id", "id"),
+        Index("ix_job_events_attempt_id_id", "attempt_id", "id"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
