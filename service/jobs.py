@@ -14,7 +14,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, bindparam, func, select, update
+from sqlalchemy import ScalarSelect, Select, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.attributes import set_committed_value
@@ -197,6 +197,21 @@ def list_jobs(
 _jobs, _users = Job.__table__.c, User.__table__.c
 _snapshots, _metrics = Snapshot.__table__.c, Metric.__table__.c
 _attempts, _members, _nodes = Attempt.__table__.c, AttemptMember.__table__.c, Node.__table__.c
+
+
+def _newest_metric(newer: int) -> ScalarSelect[Any]:
+    """The id of the job's metric ``newer`` places before its newest (0: the newest), by
+    ``ix_metrics_job_id_id``; for a statement that reads ``jobs``."""
+    return (
+        select(_metrics.id)
+        .where(_metrics.job_id == _jobs.id)
+        .order_by(_metrics.id.desc())
+        .limit(1)
+        .offset(newer)
+        .scalar_subquery()
+    )
+
+
 _JOB_SHOWN = select(
     *(column for column in _jobs if column.key != "spec"),
     _users.name.label("owner_name"),
@@ -204,16 +219,7 @@ _JOB_SHOWN = select(
     .where(_snapshots.job_id == _jobs.id)
     .scalar_subquery()
     .label("last_snapshot_at"),
-    *(
-        select(_metrics.id)
-        .where(_metrics.job_id == _jobs.id)
-        .order_by(_metrics.id.desc())
-        .limit(1)
-        .offset(newer)
-        .scalar_subquery()
-        .label(f"metric_{newer}")
-        for newer in (0, 1)
-    ),
+    *(_newest_metric(newer).label(f"metric_{newer}") for newer in (0, 1)),
 ).select_from(Job.__table__.outerjoin(User.__table__, _users.id == _jobs.owner_id))
 _JOB_VERSION = _JOB_SHOWN.where(_jobs.id == bindparam("job_id"))
 # And what its attempts (``AttemptPublic``) are built from.
@@ -465,23 +471,36 @@ def last_snapshot_times(session: Session, job_ids: list[int]) -> dict[int, datet
     return {job_id: when for job_id, when in session.execute(stmt).all()}
 
 
+# Each job's two newest metrics: their ids, then the metrics themselves. Two statements
+# for a page of jobs, where one a job made a page of 50 cost 50.
+_NEWEST_METRICS = select(_jobs.id, _newest_metric(0), _newest_metric(1)).where(
+    _jobs.id.in_(bindparam("job_ids", expanding=True))
+)
+_METRICS_BY_ID = select(_metrics.id, _metrics.attempt_id, _metrics.time, _metrics.step).where(
+    _metrics.id.in_(bindparam("ids", expanding=True))
+)
+
+
 def last_step_times(session: Session, job_ids: list[int]) -> dict[int, float]:
     """Each job's latest mean step time, in seconds: between its last two progress reports,
     when both came from the same attempt and the step moved on (others are left out)."""
     times: dict[int, float] = {}
-    for job_id in job_ids:
-        stmt = (
-            select(Metric.attempt_id, Metric.time, Metric.step)
-            .where(Metric.job_id == job_id)
-            .order_by(Metric.id.desc())
-            .limit(2)
-        )
-        rows = session.execute(stmt).all()
-        if len(rows) < 2:
-            continue
-        (attempt, end, last), (earlier_attempt, start, first) = rows
-        if attempt == earlier_attempt and last > first and end >= start:
-            times[job_id] = (end - start).total_seconds() / (last - first)
+    if not job_ids:
+        return times
+    connection = session.connection()
+    pairs = [
+        (job_id, last, earlier)
+        for job_id, last, earlier in connection.execute(_NEWEST_METRICS, {"job_ids": job_ids})
+        if earlier is not None
+    ]
+    if not pairs:
+        return times
+    ids = [metric_id for _, last, earlier in pairs for metric_id in (last, earlier)]
+    metrics = {row.id: row for row in connection.execute(_METRICS_BY_ID, {"ids": ids})}
+    for job_id, last, earlier in pairs:
+        end, start = metrics[last], metrics[earlier]
+        if end.attempt_id == start.attempt_id and end.step > start.step and end.time >= start.time:
+            times[job_id] = (end.time - start.time).total_seconds() / (end.step - start.step)
     return times
 
 
