@@ -63,6 +63,7 @@ from bench.sim_nodes import (
 )
 from bench.status_load import quantile
 from service.local_cluster import LocalCluster, free_port
+from worker.client import KEEP_ALIVE_S
 
 console = Console()
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -73,7 +74,10 @@ AGENT_TIMEOUT_S = 5.0
 RECONCILE_P99_TARGET_MS = 100.0
 HEARTBEAT_P99_TARGET_MS = 50.0
 # A node's heartbeat and its reports may be under way at once.
-NODE_LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+# A simulated node's connections: as an agent's (``worker.client.KEEP_ALIVE_S``).
+NODE_LIMITS = httpx.Limits(
+    max_connections=4, max_keepalive_connections=4, keepalive_expiry=KEEP_ALIVE_S
+)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class Options:
     heartbeat_threads: int | None = None
     # RELAUNCH_HEARTBEAT_WAIT_MAX_S of the controller (0: no heartbeat shed); None: default.
     heartbeat_wait_max_s: float | None = None
+    # RELAUNCH_KEEP_ALIVE_S of the controller, and how long the nodes keep an idle
+    # connection (at most this); None: the defaults, the agents' (60 s).
+    keep_alive_s: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,8 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
         env["RELAUNCH_HEARTBEAT_THREADS"] = str(options.heartbeat_threads)
     if options.heartbeat_wait_max_s is not None:
         env["RELAUNCH_HEARTBEAT_WAIT_MAX_S"] = f"{options.heartbeat_wait_max_s:g}"
+    if options.keep_alive_s is not None:
+        env["RELAUNCH_KEEP_ALIVE_S"] = str(options.keep_alive_s)
     if options.every_round_trip:
         env["RELAUNCH_DATABASE_PING_AFTER_IDLE_S"] = "0"
         env["RELAUNCH_HEARTBEAT_ONE_STATEMENT"] = "false"
@@ -175,9 +184,16 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         # A client per node, as each agent has: one client for the whole fleet looks through
         # its every connection for each request, and at 1,000 nodes that kept the bench's
         # own loop busy, which the nodes' timings then counted as the controller's.
+        limits = NODE_LIMITS
+        if options.keep_alive_s is not None:
+            limits = httpx.Limits(
+                max_connections=NODE_LIMITS.max_connections,
+                max_keepalive_connections=NODE_LIMITS.max_keepalive_connections,
+                keepalive_expiry=min(KEEP_ALIVE_S, options.keep_alive_s),
+            )
         fleet = [
             await clients.enter_async_context(
-                httpx.AsyncClient(base_url=cluster.url, timeout=AGENT_TIMEOUT_S, limits=NODE_LIMITS)
+                httpx.AsyncClient(base_url=cluster.url, timeout=AGENT_TIMEOUT_S, limits=limits)
             )
             for _ in range(options.nodes)
         ]
@@ -854,6 +870,12 @@ def main(argv: list[str] | None = None) -> None:
         help="first run the same load with every heartbeat worked on, however long it waited "
         "and whether or not its node still waits for it",
     )
+    parser.add_argument(
+        "--baseline-short-keep-alive",
+        action="store_true",
+        help="first run the same load with idle connections closed after 5 s (uvicorn's and "
+        "httpx's defaults), so that a node at a longer pace opens one for each heartbeat",
+    )
     args = parser.parse_args(argv)
     options = Options(
         nodes=args.nodes,
@@ -1019,6 +1041,11 @@ BASELINES: dict[
         {"heartbeat_wait_max_s": 0.0},
         ("no shedding", "shedding"),
         _same_load("heartbeats nobody waits for worked on or shed"),
+    ),
+    "baseline_short_keep_alive": (
+        {"keep_alive_s": 5},
+        ("5 s keep-alive", "kept alive"),
+        _same_load("idle connections closed after 5 s or kept"),
     ),
 }
 

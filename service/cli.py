@@ -142,6 +142,7 @@ def server(
         port=settings.port,
         log_level=log_level.lower(),
         access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
     )
 
 

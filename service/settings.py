@@ -90,6 +90,15 @@ class ControllerSettings(BaseSettings):
         "from. Keeps an overloaded controller answering the heartbeats still waited for. "
         "Only with heartbeat_threads above 0; 0: every heartbeat is worked on",
     )
+    keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        le=3600,
+        description="Seconds an idle HTTP connection is kept open for the client's next "
+        "request: longer than agents keep theirs (60 s) and than the heartbeat pace, so "
+        "that a heartbeat does not open a connection (and, through a TLS proxy, a "
+        "handshake) each time",
+    )
     credential_cache_s: float = Field(
         default=5.0,
         ge=0,

@@ -120,6 +120,14 @@ def _worth_retrying(exc: BaseException) -> bool:
     return isinstance(exc, httpx.TransportError)
 
 
+# How long the agent keeps an idle connection to the controller for its next call: longer
+# than the heartbeat pace (10 s at 1,000 nodes) and shorter than the controller keeps its
+# side (RELAUNCH_KEEP_ALIVE_S, 75 s), so that a heartbeat reuses the last one's
+# connection instead of opening one (a TCP handshake, a TLS one through a proxy) each time.
+KEEP_ALIVE_S = 60.0
+KEEP_ALIVE = httpx.Limits(keepalive_expiry=KEEP_ALIVE_S)
+
+
 class ControllerClient:
     """Talks to ``{base_url}/api/v1`` (one controller of ``base_url``'s list); one instance
     per agent, not thread-safe."""
@@ -140,7 +148,10 @@ class ControllerClient:
         self._http = httpx.Client(
             base_url=urls[0] + "/api/v1",
             timeout=timeout_s,
-            transport=controller_transport(urls, transport),
+            limits=KEEP_ALIVE,
+            transport=controller_transport(
+                urls, transport if transport is not None or len(urls) == 1 else _kept_alive()
+            ),
         )
         self._attempts = attempts
         self._backoff_s = backoff_s
@@ -248,6 +259,12 @@ class ControllerClient:
                 exc.retry_after_s,
             ) from exc
         raise AssertionError("unreachable: tenacity either returns or reraises")
+
+
+def _kept_alive() -> httpx.BaseTransport:
+    """The transport under a failover between controllers: a client's ``limits`` reach
+    only the transport it makes itself."""
+    return httpx.HTTPTransport(limits=KEEP_ALIVE)
 
 
 def _detail(response: httpx.Response) -> str:
