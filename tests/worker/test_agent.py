@@ -176,10 +176,9 @@ def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -
     assert client.calls.count("heartbeat 7") == 4
 
 
-def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Path) -> None:
-    """After the base interval registration gave (2 s), then twice that, up to the pace
-    (10 s): a node at a long pace is not silent for two of its intervals after one
-    failure, and a lost reply may have told it a shorter interval than it follows."""
+def _heartbeats_sent_at(tmp_path: Path, failures: list[Exception]) -> list[float]:
+    """When (seconds after registration) the agent sent its heartbeats, paced at 10 s by
+    the first reply, with the next ones failing with ``failures`` in turn."""
     agent, client, clock = _agent(tmp_path)
 
     def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
@@ -191,7 +190,7 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
     client.heartbeat = paced  # type: ignore[method-assign]
     agent.step()
     agent.step()  # paced at 10 s from here
-    client.heartbeat_failures = [ControllerUnavailableError("down")] * 3
+    client.heartbeat_failures = list(failures)
     sent_at = []
     for tick in range(1, 400):
         clock.now = 100.0 + tick / 10 + 0.01
@@ -199,6 +198,14 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
         agent.step()
         if client.calls.count("heartbeat 7") > before:
             sent_at.append(round(clock.now - 100.0, 1))
+    return sent_at
+
+
+def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Path) -> None:
+    """After the base interval registration gave (2 s), then twice that, up to the pace
+    (10 s): a node at a long pace is not silent for two of its intervals after one
+    failure, and a lost reply may have told it a shorter interval than it follows."""
+    sent_at = _heartbeats_sent_at(tmp_path, [ControllerUnavailableError("down")] * 3)
     # 10: fails, 12: fails, 16: fails, 24: answered (8 s later, not 10), 34: at the pace
     assert sent_at[:5] == [10.0, 12.0, 16.0, 24.0, 34.0]
 
@@ -207,28 +214,11 @@ def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Pat
     """An overloaded controller sheds a heartbeat with 503 and Retry-After (it recorded the
     node as heard from): the next goes after that wait, not after the base interval; a
     wait longer than the pace leaves the paced schedule as it was."""
-    agent, client, clock = _agent(tmp_path)
-
-    def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
-        client.calls.append(f"heartbeat {node_id}")
-        if client.heartbeat_failures:
-            raise client.heartbeat_failures.pop(0)
-        return HeartbeatReply(heartbeat_interval_s=10.0)
-
-    client.heartbeat = paced  # type: ignore[method-assign]
-    agent.step()
-    agent.step()  # paced at 10 s from here
-    client.heartbeat_failures = [
+    shed = [
         ControllerUnavailableError("shed", 503, retry_after_s=5.0),
         ControllerUnavailableError("shed", 503, retry_after_s=30.0),
     ]
-    sent_at = []
-    for tick in range(1, 400):
-        clock.now = 100.0 + tick / 10 + 0.01
-        before = client.calls.count("heartbeat 7")
-        agent.step()
-        if client.calls.count("heartbeat 7") > before:
-            sent_at.append(round(clock.now - 100.0, 1))
+    sent_at = _heartbeats_sent_at(tmp_path, shed)
     # 10: shed, asks 5 s (not the 2 s base); 15: shed, asks 30 s: the pace (10 s) wins
     assert sent_at[:4] == [10.0, 15.0, 25.0, 35.0]
 
