@@ -419,13 +419,16 @@ def _members_of_attempt(state: MemberState | None) -> ScalarSelect[int]:
 
 
 # Built once: building a statement costs more than running it.
+# A heartbeat writes to its node's row only while the node is ALIVE and the call carries
+# the node's own token: as answered (``_RECORD``) or as shed (``_SEEN``).
+_OWN_ALIVE_NODE = (
+    Node.id == bindparam("node_id"),
+    Node.token_hash == bindparam("node_token_hash"),
+    Node.state == NodeState.ALIVE,
+)
 _RECORD = (
     update(Node)
-    .where(
-        Node.id == bindparam("node_id"),
-        Node.token_hash == bindparam("node_token_hash"),
-        Node.state == NodeState.ALIVE,
-    )
+    .where(*_OWN_ALIVE_NODE)
     .values(
         last_heartbeat_at=bindparam("seen_at", type_=Node.__table__.c.last_heartbeat_at.type),
         gpu_usage=bindparam("usage", type_=Node.__table__.c.gpu_usage.type),
@@ -441,9 +444,7 @@ _NODES = _NODES_TABLE.c
 _SEEN = (
     update(_NODES_TABLE)
     .where(
-        _NODES.id == bindparam("node_id"),
-        _NODES.token_hash == bindparam("node_token_hash"),
-        _NODES.state == NodeState.ALIVE,
+        *_OWN_ALIVE_NODE,
         _NODES.last_heartbeat_at < bindparam("seen_at", type_=_NODES.last_heartbeat_at.type),
     )
     .values(last_heartbeat_at=bindparam("seen_at", type_=_NODES.last_heartbeat_at.type))
