@@ -38,9 +38,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Engine, ScalarSelect, Table, and_, bindparam, func, or_, select, true, update
+from sqlalchemy import Engine, ScalarSelect, and_, bindparam, func, or_, select, true, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
@@ -171,13 +171,17 @@ class Liveness:
             return  # not a node's token: what a flush would refuse anyway
         key = (node_id, auth.token_hash(token))
         with self._lock:
-            if key not in self._noted:
-                if len(self._noted) >= self._size or self._per_node.get(node_id, 0) >= (
-                    self.PER_NODE
-                ):
-                    return
-                self._per_node[node_id] = self._per_node.get(node_id, 0) + 1
-            self._noted[key] = max(now, self._noted.get(key, now))
+            full = len(self._noted) >= self._size or self._per_node.get(node_id, 0) >= (
+                self.PER_NODE
+            )
+            if key in self._noted or not full:
+                self._keep(key, now)
+
+    def _keep(self, key: tuple[int, str], seen_at: datetime) -> None:
+        """Note ``key`` as seen at ``seen_at``, or later if it already was; under the lock."""
+        if key not in self._noted:
+            self._per_node[key[0]] = self._per_node.get(key[0], 0) + 1
+        self._noted[key] = max(seen_at, self._noted.get(key, seen_at))
 
     def flush(self, factory: sessionmaker[Session]) -> int:
         """Write what was noted; how many notes that was. A write that fails keeps them
@@ -198,9 +202,7 @@ class Liveness:
             logger.warning("could not record %d shed heartbeats yet: %s", len(batch), exc)
             with self._lock:
                 for key, seen_at in noted.items():
-                    if key not in self._noted:
-                        self._per_node[key[0]] = self._per_node.get(key[0], 0) + 1
-                    self._noted[key] = max(seen_at, self._noted.get(key, seen_at))
+                    self._keep(key, seen_at)
             return 0
         return len(batch)
 
@@ -439,15 +441,12 @@ _RECORD = (
     .returning(Node.id)
     .execution_options(synchronize_session=False)
 )
-_NODES_TABLE = cast(Table, Node.__table__)
-_NODES = _NODES_TABLE.c
+_SEEN_AT = bindparam("seen_at", type_=Node.__table__.c.last_heartbeat_at.type)
 _SEEN = (
-    update(_NODES_TABLE)
-    .where(
-        *_OWN_ALIVE_NODE,
-        _NODES.last_heartbeat_at < bindparam("seen_at", type_=_NODES.last_heartbeat_at.type),
-    )
-    .values(last_heartbeat_at=bindparam("seen_at", type_=_NODES.last_heartbeat_at.type))
+    update(Node)
+    .where(*_OWN_ALIVE_NODE, Node.last_heartbeat_at < _SEEN_AT)
+    .values(last_heartbeat_at=_SEEN_AT)
+    .execution_options(synchronize_session=False)
 )
 _ALIVE_NODES = select(func.count()).select_from(Node).where(Node.state == NodeState.ALIVE)
 _MEMBERSHIPS = (
