@@ -73,11 +73,17 @@ AGENT_TIMEOUT_S = 5.0
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
 RECONCILE_P99_TARGET_MS = 100.0
 HEARTBEAT_P99_TARGET_MS = 50.0
-# A node's heartbeat and its reports may be under way at once.
-# A simulated node's connections: as an agent's (``worker.client.KEEP_ALIVE_S``).
-NODE_LIMITS = httpx.Limits(
-    max_connections=4, max_keepalive_connections=4, keepalive_expiry=KEEP_ALIVE_S
-)
+
+
+def node_limits(keep_alive_s: float = KEEP_ALIVE_S) -> httpx.Limits:
+    """A simulated node's connections: a few, since its heartbeat and its reports may be
+    under way at once; an idle one is kept ``keep_alive_s``, as an agent keeps it
+    (``worker.client.KEEP_ALIVE_S``) unless told less."""
+    return httpx.Limits(
+        max_connections=4,
+        max_keepalive_connections=4,
+        keepalive_expiry=min(KEEP_ALIVE_S, keep_alive_s),
+    )
 
 
 @dataclass(frozen=True)
@@ -184,13 +190,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         # A client per node, as each agent has: one client for the whole fleet looks through
         # its every connection for each request, and at 1,000 nodes that kept the bench's
         # own loop busy, which the nodes' timings then counted as the controller's.
-        limits = NODE_LIMITS
-        if options.keep_alive_s is not None:
-            limits = httpx.Limits(
-                max_connections=NODE_LIMITS.max_connections,
-                max_keepalive_connections=NODE_LIMITS.max_keepalive_connections,
-                keepalive_expiry=min(KEEP_ALIVE_S, options.keep_alive_s),
-            )
+        limits = node_limits(options.keep_alive_s or KEEP_ALIVE_S)
         fleet = [
             await clients.enter_async_context(
                 httpx.AsyncClient(base_url=cluster.url, timeout=AGENT_TIMEOUT_S, limits=limits)
