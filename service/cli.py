@@ -122,6 +122,7 @@ def server(
     import uvicorn
 
     from service.api.app import create_app
+    from service.api_processes import bind_listeners
     from service.secrets import SecretsKeyError, load_keyring
     from service.settings import ControllerSettings
 
@@ -136,14 +137,21 @@ def server(
         keyring = load_keyring(settings)  # checked against the database at start
     except SecretsKeyError as exc:
         raise fail(str(exc)) from exc
-    uvicorn.run(
-        create_app(settings, keyring=keyring),
-        host=settings.host,
-        port=settings.port,
+    # One socket per process that answers the API (RELAUNCH_API_PROCESSES): this one's,
+    # and one for each helper, which the app's lifespan starts.
+    try:
+        listener, *helper_listeners = bind_listeners(
+            settings.host, settings.port, settings.api_processes
+        )
+    except OSError as exc:
+        raise fail(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
+    config = uvicorn.Config(
+        create_app(settings, keyring=keyring, helper_listeners=helper_listeners),
         log_level=log_level.lower(),
         access_log=False,
         timeout_keep_alive=settings.keep_alive_s,
     )
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 @app.command()

@@ -6,6 +6,9 @@ Two kinds, and the difference matters when several controllers share a database:
   answers and API requests take, the snapshots reported to it, its CPU and memory
   (``process_*``). Each controller has its own; add them up (or compare them) across
   controllers in PromQL.
+  A controller that answers the API on several processes (``RELAUNCH_API_PROCESSES``)
+  serves them added up over its processes, from any of them: each helper sends its
+  counts and histograms to the controller every second (``HelperShares``).
 - Cluster metrics, read from the database at scrape time: jobs and nodes by state, the
   restarts and membership changes summed over every job. Every controller reports the
   same values; take ``max`` across controllers, never ``sum``.
@@ -16,9 +19,11 @@ API's label is the route's path template (``/api/v1/jobs/{job_id}``), never the 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -117,14 +122,102 @@ class Relayed(Collector):
         return iter(self._metrics)
 
 
+API_PROCESSES = "relaunch_api_processes"
+
+
+class HelperShares:
+    """What the API's helper processes (``service.api_processes``) last sent of their
+    own counters and histograms, by helper; ``merged`` adds them to this process's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_helper: dict[int, list[Metric]] = {}
+
+    def update(self, helper: int, metrics: list[Metric]) -> None:
+        with self._lock:
+            self._by_helper[helper] = metrics
+
+    def forget(self, helper: int) -> None:
+        """The helper is gone; its counts with it (a counter that falls is a reset)."""
+        with self._lock:
+            self._by_helper.pop(helper, None)
+
+    def merged(self, own: Iterable[Metric]) -> list[Metric]:
+        """``own`` with every helper's share added: samples of one name and labels are
+        summed (``_created``: the earliest), and the number of processes that answer
+        the API (this one and the helpers that sent) is ``relaunch_api_processes``."""
+        with self._lock:
+            shares = list(self._by_helper.values())
+        families: dict[str, Metric] = {}
+        for family in itertools.chain(own, *shares):
+            into = families.get(family.name)
+            if into is None:
+                families[family.name] = _copy(family)
+            elif into.type == family.type:
+                _add(into, family)
+        processes = GaugeMetricFamily(
+            API_PROCESSES,
+            "Processes answering the API: this controller's own and its helpers "
+            "(RELAUNCH_API_PROCESSES) that have sent their metrics",
+            value=1 + len(shares),
+        )
+        return [*families.values(), processes]
+
+
+def shared_by_helper(metrics: Iterable[Metric]) -> list[Metric]:
+    """What a helper sends of its metrics: relaunch's counters and histograms, which add
+    up over processes (not gauges, nor the process's own ``process_*``)."""
+    return [m for m in metrics if m.name.startswith("relaunch_") and m.type != "gauge"]
+
+
+def _copy(family: Metric) -> Metric:
+    copied = Metric(family.name, family.documentation, family.type, family.unit)
+    copied.samples = list(family.samples)
+    return copied
+
+
+def _add(into: Metric, family: Metric) -> None:
+    where = {(s.name, tuple(sorted(s.labels.items()))): i for i, s in enumerate(into.samples)}
+    for sample in family.samples:
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        at = where.get(key)
+        if at is None:
+            where[key] = len(into.samples)
+            into.samples.append(sample)
+            continue
+        was = into.samples[at]
+        if sample.name.endswith("_created"):
+            value = min(was.value, sample.value)
+        else:
+            value = was.value + sample.value
+        into.samples[at] = was._replace(value=value)
+
+
+class _Families(Collector):
+    """What ``generate_latest`` reads: families already collected."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
 class ControllerMetrics:
     """Every metric of one controller process, in a registry of its own (two apps in one
-    process, as in the tests, do not share counts)."""
+    process, as in the tests, do not share counts). In an API helper (``exposed_by``),
+    ``/metrics`` is the controller's, which adds the helpers' shares (``helpers``)."""
 
     def __init__(
-        self, read_factory: sessionmaker[Session] | None = None, *, reconciler_here: bool = True
+        self,
+        read_factory: sessionmaker[Session] | None = None,
+        *,
+        reconciler_here: bool = True,
+        exposed_by: Callable[[], bytes] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self.helpers = HelperShares()
+        self._exposed_by = exposed_by
         # The reconciler's metrics as its child process last sent them, when it runs in one.
         self.relayed = Relayed()
         ProcessCollector(registry=self.registry)
@@ -178,8 +271,15 @@ class ControllerMetrics:
                 self.snapshot_seconds.observe(snapshot.seconds)
 
     def exposition(self) -> bytes:
-        """The text format of every metric, as scraped."""
-        return generate_latest(self.registry)
+        """The text format of every metric, as scraped: this process's with the API
+        helpers' added, or, in a helper, the controller's answer."""
+        if self._exposed_by is not None:
+            return self._exposed_by()
+        return generate_latest(_Families(self.helpers.merged(self.registry.collect())))
+
+    def shares(self) -> list[Metric]:
+        """What a helper sends the controller (``shared_by_helper``)."""
+        return shared_by_helper(self.registry.collect())
 
 
 class ClusterCollector(Collector):

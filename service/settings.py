@@ -66,6 +66,16 @@ class ControllerSettings(BaseSettings):
         "statement on a connection closed meanwhile is answered 503 and the pool "
         "reconnects); 0 pings at every use",
     )
+    api_processes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Processes that answer the API on its port: the controller and this "
+        "many less one helpers, each with its own event loop, threads and database pool "
+        "(api_threads and heartbeat_threads are per process). Helpers pass wakes and "
+        "/metrics to the controller, which alone migrates and runs the reconciler. More "
+        "than one helps where one process's event loop is the bottleneck and cores are free",
+    )
     heartbeat_one_statement: bool = Field(
         default=True,
         description="On PostgreSQL, record a node's heartbeat and read its assignments in "

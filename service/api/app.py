@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +27,8 @@ from service.api import enrolment, health, jobs, metrics, nodes, rendezvous, use
 from service.api.answers import AnswerCache
 from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
+from service.api.deps import _no_reconciler
+from service.api_processes import ApiProcesses, ControllerLink
 from service.db import (
     database_busy,
     in_memory,
@@ -96,19 +99,30 @@ def create_app(
     clock: Callable[[], datetime] = utcnow,
     run_background: bool = True,
     keyring: Keyring | None = None,
+    helper_listeners: Sequence[socket.socket] = (),
+    controller: ControllerLink | None = None,
 ) -> FastAPI:
     """Build the app. With ``run_background`` the lifespan also runs the reconciler;
     tests of the API alone turn that off. The keys of jobs' env values are ``keyring``,
     else loaded from ``settings`` at start; either way checked against the database
-    before the app serves."""
+    before the app serves. The lifespan starts an API helper process on each of
+    ``helper_listeners`` (``service.api_processes``); ``controller`` makes this app such
+    a helper, which neither migrates nor runs a reconciler, and passes wakes and
+    ``/metrics`` to the controller."""
     engine = make_engine(
         settings.db_url, settings.database_connections, settings.database_ping_after_idle_s
     )
     factory = make_session_factory(engine)
     read_engine = make_read_engine(settings.db_url, engine, settings.database_connections)
     read_factory = make_session_factory(read_engine)
+    helper = controller is not None
+    run_background = run_background and not helper
     in_child = reconciler_in_child(settings, clock, run_background)
-    controller_metrics = ControllerMetrics(read_factory, reconciler_here=not in_child)
+    controller_metrics = ControllerMetrics(
+        None if helper else read_factory,
+        reconciler_here=not (in_child or helper),
+        exposed_by=controller.exposition if controller is not None else None,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,11 +131,13 @@ def create_app(
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         _make_data_dir(settings)
         wait_for_database(engine, settings.database_wait_s)
-        upgrade_to_head(settings.db_url)
+        if not helper:  # a helper starts once the controller has done this
+            upgrade_to_head(settings.db_url)
         app.state.keyring = _open_keyring(settings, factory, keyring)
-        first_token = auth.bootstrap_admin(factory, clock())
-        if first_token is not None:
-            announce_first_admin(first_token)
+        if not helper:
+            first_token = auth.bootstrap_admin(factory, clock())
+            if first_token is not None:
+                announce_first_admin(first_token)
         if settings.snapshots_are_local:
             Path(settings.snapshots).mkdir(parents=True, exist_ok=True)
         reconciler: Reconciler | ReconcilerProcess
@@ -133,7 +149,20 @@ def create_app(
         if run_background:
             reconciler.start()
             app.state.wake_reconciler = reconciler.wake
-        frozen = settings.gc_freeze and run_background
+        helpers: ApiProcesses | None = None
+        if helper_listeners:
+            helpers = ApiProcesses(
+                settings,
+                list(helper_listeners),
+                getattr(app.state, "wake_reconciler", _no_reconciler),
+                controller_metrics,
+            )
+            helpers.start()
+            app.state.api_processes = helpers
+        if controller is not None:
+            app.state.wake_reconciler = controller.wake
+            controller.push(controller_metrics.shares)
+        frozen = settings.gc_freeze and (run_background or helper)
         if frozen:
             freeze_what_started()
         logger.info("controller ready on %s:%s", settings.host, settings.port)
@@ -141,6 +170,8 @@ def create_app(
             with controller_metrics.gc_pauses.installed():
                 yield
         finally:
+            if helpers is not None:
+                helpers.stop()
             if frozen:
                 gc.unfreeze()
             reconciler.stop()
