@@ -21,7 +21,10 @@ interval, run what they are assigned and report on it until it succeeds. For
 
 ``--baseline-fixed-interval`` runs the same load twice, back to back: first with the
 heartbeat pace off (every node told the base interval, as before the pace), then as
-configured, and prints the two side by side.
+configured, and prints the two side by side; each ``--baseline-*`` flag does the same for
+what it names. ``--api-processes N`` answers the API on N processes
+(``RELAUNCH_API_PROCESSES``), with the 40 API threads shared out among them so that their
+database pools stay within PostgreSQL's default 100 connections.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from bench.sim_nodes import (
     Training,
 )
 from bench.status_load import quantile
+from service.api_processes import PROCESS_NAME as API_HELPER_NAME
 from service.local_cluster import LocalCluster, free_port
 from worker.client import KEEP_ALIVE_S
 
@@ -70,6 +74,8 @@ PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 JOBS_PER_USER = 100
 # What a node agent waits for an answer (worker.client's default) before it gives up.
 AGENT_TIMEOUT_S = 5.0
+# The API threads that several API processes share out (the controller's default for one).
+API_THREADS_SHARED = 40
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
 RECONCILE_P99_TARGET_MS = 100.0
 HEARTBEAT_P99_TARGET_MS = 50.0
@@ -117,6 +123,9 @@ class Options:
     # RELAUNCH_KEEP_ALIVE_S of the controller, and how long the nodes keep an idle
     # connection (at most this); None: the defaults, the agents' (60 s).
     keep_alive_s: int | None = None
+    # RELAUNCH_API_PROCESSES and RELAUNCH_API_THREADS (per process); None: the defaults.
+    api_processes: int | None = None
+    api_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,10 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
         env["RELAUNCH_HEARTBEAT_WAIT_MAX_S"] = f"{options.heartbeat_wait_max_s:g}"
     if options.keep_alive_s is not None:
         env["RELAUNCH_KEEP_ALIVE_S"] = str(options.keep_alive_s)
+    if options.api_processes is not None:
+        env["RELAUNCH_API_PROCESSES"] = str(options.api_processes)
+    if options.api_threads is not None:
+        env["RELAUNCH_API_THREADS"] = str(options.api_threads)
     if options.every_round_trip:
         env["RELAUNCH_DATABASE_PING_AFTER_IDLE_S"] = "0"
         env["RELAUNCH_HEARTBEAT_ONE_STATEMENT"] = "false"
@@ -259,7 +272,11 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             )
             wall = time.monotonic() - start
             cpu_after = _cpu_split(controller)
-            cpu = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
+            cpu = (
+                cpu_after[0] - cpu_before[0],
+                cpu_after[1] - cpu_before[1],
+                cpu_after[2] - cpu_before[2],
+            )
             my_cpu = _cpu(me) - my_cpu_before
             machine = _machine_shares(machine_before, psutil.cpu_times())
             machine["database_server_share_of_one_core"] = (
@@ -460,14 +477,17 @@ def _cpu(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-def _cpu_split(controller: psutil.Process) -> tuple[float, float]:
-    """CPU seconds of the controller's own process, and of its children (the reconciler's
-    process, unless it runs on a thread)."""
-    children = 0.0
+def _cpu_split(controller: psutil.Process) -> tuple[float, float, float]:
+    """CPU seconds of the controller's own process, of its reconciler's process (unless it
+    runs on a thread), and of its API helpers (``RELAUNCH_API_PROCESSES``), living now."""
+    reconciler = helpers = 0.0
     for child in controller.children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
-            children += _cpu(child)
-    return _cpu(controller), children
+            if child.name() == API_HELPER_NAME:
+                helpers += _cpu(child)
+            else:
+                reconciler += _cpu(child)
+    return _cpu(controller), reconciler, helpers
 
 
 def _database_cpu() -> dict[int, float]:
@@ -587,7 +607,7 @@ def _result(
     stats: FleetStats,
     reads: list[dict[str, Any]],
     wall: float,
-    cpu: tuple[float, float],
+    cpu: tuple[float, float, float],
     my_cpu: float,
     rss: list[int],
     submit_s: float,
@@ -676,6 +696,7 @@ def _result(
         "controller": {
             "cpu_share_of_one_core": sum(cpu) / wall,
             "reconciler_process_cpu_share_of_one_core": cpu[1] / wall,
+            "api_helpers_cpu_share_of_one_core": cpu[2] / wall,
             "rss_mib_max": max(rss, default=0) / 2**20,
             "rss_mib_end": (rss[-1] if rss else 0) / 2**20,
             "gc_pauses": gc_pauses(before, after),
@@ -760,7 +781,8 @@ def print_table(result: dict[str, Any]) -> None:
     )
     console.print(
         f"controller: CPU {100 * ctl['cpu_share_of_one_core']:.0f} % of one core (its "
-        f"reconciler's process {100 * ctl['reconciler_process_cpu_share_of_one_core']:.0f} %), "
+        f"reconciler's process {100 * ctl['reconciler_process_cpu_share_of_one_core']:.0f} %, "
+        f"its API helpers {100 * ctl['api_helpers_cpu_share_of_one_core']:.0f} %), "
         f"RSS max "
         f"{ctl['rss_mib_max']:.0f} MiB; this bench's own CPU "
         f"{100 * result['bench_client_cpu_share_of_one_core']:.0f} % of one core. Setup: "
@@ -876,7 +898,32 @@ def main(argv: list[str] | None = None) -> None:
         help="first run the same load with idle connections closed after 5 s (uvicorn's and "
         "httpx's defaults), so that a node at a longer pace opens one for each heartbeat",
     )
+    parser.add_argument(
+        "--api-processes",
+        type=int,
+        help="RELAUNCH_API_PROCESSES of the controller: processes that answer the API "
+        "(default: the controller's, 1; 2 with --baseline-one-api-process)",
+    )
+    parser.add_argument(
+        "--api-threads",
+        type=int,
+        help="RELAUNCH_API_THREADS, per process (default: the controller's 40 with one "
+        "process, 40 shared out among several, so that their pools stay within "
+        "PostgreSQL's 100 connections)",
+    )
+    parser.add_argument(
+        "--baseline-one-api-process",
+        action="store_true",
+        help="first run the same load with the API on one process (40 threads), then on "
+        "--api-processes",
+    )
     args = parser.parse_args(argv)
+    api_processes = args.api_processes
+    if api_processes is None and args.baseline_one_api_process:
+        api_processes = 2
+    api_threads = args.api_threads
+    if api_threads is None and api_processes is not None and api_processes > 1:
+        api_threads = max(8, API_THREADS_SHARED // api_processes)
     options = Options(
         nodes=args.nodes,
         jobs=args.jobs,
@@ -888,6 +935,8 @@ def main(argv: list[str] | None = None) -> None:
         work_dir=args.work_dir,
         heartbeats_per_s_max=args.heartbeats_per_s_max,
         register_timeout_s=args.register_timeout_s,
+        api_processes=api_processes,
+        api_threads=api_threads,
     )
     chosen = [flag for flag in BASELINES if getattr(args, flag)]
     runs: dict[str, dict[str, Any]]
@@ -976,6 +1025,8 @@ def print_side_by_side(
          lambda r: f"{100 * r['controller']['cpu_share_of_one_core']:.0f} %"),
         ("of it the reconciler's process",
          lambda r: f"{100 * r['controller']['reconciler_process_cpu_share_of_one_core']:.0f} %"),
+        ("of it the API's helper processes",
+         lambda r: f"{100 * r['controller']['api_helpers_cpu_share_of_one_core']:.0f} %"),
         ("gen 2 garbage collections: count, total, p99 (ms)",
          lambda r: _gen2(r["controller"]["gc_pauses"]["2"])),
         ("PostgreSQL server CPU (share of a core)",
@@ -1046,6 +1097,11 @@ BASELINES: dict[
         {"keep_alive_s": 5},
         ("5 s keep-alive", "kept alive"),
         _same_load("idle connections closed after 5 s or kept"),
+    ),
+    "baseline_one_api_process": (
+        {"api_processes": 1, "api_threads": None},
+        ("one API process", "API processes"),
+        _same_load("the API on one process or several"),
     ),
 }
 
