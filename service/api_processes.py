@@ -6,27 +6,31 @@ heartbeat waits for the loop, not for the database. Controllers on one database 
 share everything a request needs (jobs, nodes, tokens, rendezvous, the heartbeats'
 pace), so more processes on the same port answer the same API.
 
-The controller (the main process) binds the port once per process (``bind_listeners``:
-``SO_REUSEPORT``, so that the kernel spreads new connections evenly over the processes'
-sockets, where processes that accept from one socket share them by who wakes first),
-migrates the database and runs the reconciler; once it serves, it starts
+The controller (the main process) binds the port with ``SO_REUSEPORT``
+(``bind_listener``), so that the kernel spreads new connections evenly over the
+processes' sockets (processes that accept from one socket share it by who wakes first),
+migrates the database and runs the reconciler; its lifespan then starts
 ``api_processes - 1`` helpers. Each helper is a new interpreter (``python -c``,
-``HELPER_MAIN``) that inherits its socket and accepts from it, and one end of a socket
-pair to the controller, over which nothing but these messages go:
+``HELPER_MAIN``: ``service.api_helper``) that inherits a socket of its own, bound to the
+same port for it, and one end of a socket pair to the controller, over which nothing but
+these messages go:
 
 - to the helper: its settings first (``Start``), then answers to what it asked;
 - from the helper: wakes of the reconciler (``Wake``: a submit's, a registration's that
   waits up to a second for the pass), which the controller passes to its own reconciler;
-  its request metrics every ``PUSH_EVERY_S`` (``Families``), which the controller adds to
-  its own on ``/metrics``; and a scrape that reached the helper (``Expose``), which the
-  controller answers, so that every process serves the same ``/metrics``.
+  its request metrics every ``PUSH_EVERY_S`` from its event loop (``Families``), which the
+  controller adds to its own on ``/metrics``; and a scrape that reached the helper
+  (``Expose``), which the controller answers, so that every process serves the same
+  ``/metrics``.
 
 A helper dies with the controller (``PR_SET_PDEATHSIG``) and stops once its pair is
-closed, so a SIGKILLed controller leaves no process on its port. A helper that dies is
-started again (after 1 s, doubling up to 30 s while it keeps dying). Signals are the
-controller's: a helper ignores SIGINT and SIGTERM, and the controller stops its helpers
-(closes their pairs, then SIGKILLs any still running after ``STOP_WAIT_S``) before it
-stops itself.
+closed, so a SIGKILLed controller leaves no process on its port. A helper that exits, or
+whose event loop sent nothing for ``SILENCE_ALLOWED_S`` (stuck, or stopped), is killed
+and its socket closed, so that the kernel stops giving it connections (those it had
+queued are reset, and clients try again); another is started on a new socket after 1 s
+(doubling up to 30 s while they keep dying). Signals are the controller's: a helper
+ignores SIGINT and SIGTERM, and the controller stops its helpers (closes their pairs, then
+SIGKILLs any still running after ``STOP_WAIT_S``) before it stops itself.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import anyio
+import anyio.to_thread
 from prometheus_client.core import Metric
 
 if TYPE_CHECKING:
@@ -59,6 +65,9 @@ RESPAWN_MAX_S = 30.0
 RESPAWN_RESET_AFTER_S = 60.0  # a helper that ran this long is started again after 1 s
 STOP_WAIT_S = 10.0  # a stopping helper finishes the requests it has begun within this
 PUSH_EVERY_S = 1.0  # how stale a helper's share of /metrics may be
+# A helper whose event loop sent nothing this long is taken as stuck (or stopped), killed
+# and started again: far longer than a loaded loop's turn, or a garbage collection.
+SILENCE_ALLOWED_S = 30.0
 # A scrape that reached a helper waits this long for the controller's answer.
 EXPOSE_WAIT_S = 10.0
 # The helper's command (``service.api_helper.main``); signals are the controller's.
@@ -69,26 +78,39 @@ HELPER_MAIN = (
 )
 
 
-def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` TCP sockets bound to ``host:port`` (port 0: the one the first gets), not
-    yet listening (each process's server listens once it serves); with more than one,
-    they share the port by ``SO_REUSEPORT``, which only sockets of this user can join."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listeners: list[socket.socket] = []
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (the first address ``host`` resolves to; port 0:
+    a free one) that other sockets of this user may bind too (``SO_REUSEPORT``), not yet
+    listening (a server listens once it serves)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    listener = socket.socket(family, kind, proto)
     try:
-        for _ in range(count):
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            listeners.append(listener)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if count > 1:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            listener.bind((host, port))
-            port = listener.getsockname()[1]
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        listener.bind(address)
     except BaseException:
-        for listener in listeners:
-            listener.close()
+        listener.close()
         raise
-    return listeners
+    return listener
+
+
+def _bind_like(listener: socket.socket) -> socket.socket:
+    """Another socket on ``listener``'s address and port, for a helper."""
+    other = socket.socket(listener.family, listener.type, listener.proto)
+    try:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if listener.family == socket.AF_INET6:
+            other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        other.bind(listener.getsockname())
+    except BaseException:
+        other.close()
+        raise
+    return other
 
 
 @dataclass(frozen=True)
@@ -125,76 +147,107 @@ class Families:
     metrics: list[Metric]
 
 
+class Helper:
+    """One running helper as the controller sees it: its process and its end of the pair.
+    Writes, the hang-up and the close take one lock, so none of them meets a closed (or
+    reused) descriptor."""
+
+    def __init__(self, process: Any, link: Connection) -> None:
+        self.process = process  # a ``subprocess.Popen``, or what a test gives
+        self.link = link
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, message: Start | Woken | Exposed) -> None:
+        with self._lock, contextlib.suppress(OSError):  # gone: the reader sees
+            if not self._closed:
+                self.link.send(message)
+
+    def hang_up(self) -> None:
+        """End the pair both ways: the helper reads the end and stops, and the reader of
+        it here returns (closing it under a reader that waits would not wake it)."""
+        with self._lock:
+            if self._closed:
+                return
+            with (
+                contextlib.suppress(OSError, ValueError),
+                socket.fromfd(self.link.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as end,
+            ):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.link.close()
+
+
 class ApiProcesses:
-    """The controller's side: a helper on each of ``listeners``, started again if it dies
-    (on the same socket, which the controller keeps open: connections the kernel gave it
-    meanwhile wait for the next helper); ``wake`` is the controller's reconciler's,
-    ``metrics`` where the helpers' shares are kept and what answers their scrapes."""
+    """The controller's side: ``count`` helpers on ``listener``'s port, each started again
+    (on a socket of its own) when it exits or goes silent; ``wake`` is the controller's
+    reconciler's, ``metrics`` where the helpers' shares are kept and what answers their
+    scrapes."""
 
     def __init__(
         self,
         settings: ControllerSettings,
-        listeners: list[socket.socket],
+        listener: socket.socket,
+        count: int,
         wake: Callable[[float], bool],
         metrics: ControllerMetrics,
     ) -> None:
         self._settings = settings
-        self._listeners = listeners
+        self._listener = listener
         self._wake = wake
         self._metrics = metrics
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._helpers: dict[int, tuple[subprocess.Popen[bytes], Connection]] = {}
+        self._helpers: dict[int, Helper] = {}
         self._threads = [
             threading.Thread(target=self._watch, args=(slot,), name=f"api-{slot}", daemon=True)
-            for slot in range(len(listeners))
+            for slot in range(1, count + 1)
         ]
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
 
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [helper.pid for helper, _ in self._helpers.values()]
-
     def stop(self) -> None:
-        """Close every helper's pair (it finishes what it has begun and exits), then
+        """Hang up on every helper (it finishes what it has begun and exits), then
         SIGKILL what is still running after ``STOP_WAIT_S``."""
         self._stopping.set()
         with self._lock:
-            helpers = list(self._helpers.values())
-        for _, link in helpers:
-            _hang_up(link)
+            for helper in self._helpers.values():
+                helper.hang_up()
+        deadline = time.monotonic() + STOP_WAIT_S + 1
         for thread in self._threads:
-            thread.join(STOP_WAIT_S + 1)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _watch(self, slot: int) -> None:
         delay = RESPAWN_FIRST_S
         while not self._stopping.is_set():
             began = time.monotonic()
             try:
-                helper, link = self._spawn(self._listeners[slot])
+                helper = self._spawn()
             except Exception:
                 logger.exception("could not start API process %s; again in %g s", slot, delay)
                 self._stopping.wait(delay)
                 delay = min(delay * 2, RESPAWN_MAX_S)
                 continue
             with self._lock:
-                self._helpers[slot] = (helper, link)
-            if self._stopping.is_set():  # ``stop`` came while it started
-                _hang_up(link)
-            self._serve(slot, link)
-            with contextlib.suppress(OSError):
-                link.close()
+                self._helpers[slot] = helper
+                if self._stopping.is_set():  # ``stop`` came while it started
+                    helper.hang_up()
             try:
-                code = helper.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                code = helper.wait()
-            with self._lock:
-                self._helpers.pop(slot, None)
-            self._metrics.helpers.forget(slot)
+                self.serve(slot, helper)
+            except Exception:
+                logger.exception("API process %s: its messages failed; stopping it", slot)
+                helper.process.kill()
+            finally:
+                with self._lock:
+                    self._helpers.pop(slot, None)
+                helper.close()
+                code = _reap(helper.process)
+                self._metrics.helpers.forget(slot)
             if self._stopping.is_set():
                 return
             if time.monotonic() - began > RESPAWN_RESET_AFTER_S:
@@ -202,17 +255,20 @@ class ApiProcesses:
             logger.error(
                 "API process %s (pid %s) exited (code %s); starting another in %g s",
                 slot,
-                helper.pid,
+                helper.process.pid,
                 code,
                 delay,
             )
             self._stopping.wait(delay)
             delay = min(delay * 2, RESPAWN_MAX_S)
 
-    def _spawn(self, listener: socket.socket) -> tuple[subprocess.Popen[bytes], Connection]:
+    def _spawn(self) -> Helper:
+        # A socket of its own: when the helper exits, its last copy closes and the kernel
+        # gives the port's connections to the others only.
+        listener = _bind_like(self._listener)
         mine, theirs = socket.socketpair()
         try:
-            helper = subprocess.Popen(
+            process = subprocess.Popen(
                 [
                     sys.executable,
                     "-P",  # nothing imported from the working directory
@@ -229,48 +285,62 @@ class ApiProcesses:
             mine.close()
             raise
         finally:
+            listener.close()
             theirs.close()
-        link = Connection(mine.detach())
-        with contextlib.suppress(OSError):  # it died at once: ``_serve`` reads the end
-            link.send(Start(self._settings, logging.getLogger().getEffectiveLevel()))
-        logger.info("API process running as %s", helper.pid)
-        return helper, link
+        helper = Helper(process, Connection(mine.detach()))
+        try:
+            if not self._stopping.is_set():  # else it reads the end and exits
+                helper.link.send(Start(self._settings, logging.getLogger().getEffectiveLevel()))
+        except OSError:
+            pass  # it died at once: ``serve`` reads the end of its pair
+        except BaseException:
+            process.kill()
+            _reap(process)
+            helper.close()
+            raise
+        logger.info("API process running as %s", process.pid)
+        return helper
 
-    def _serve(self, slot: int, link: Connection) -> None:
-        """Answer one helper until its pair closes (it exited, or ``stop``)."""
-        sending = threading.Lock()
-
-        def reply(message: Woken | Exposed) -> None:
-            with sending, contextlib.suppress(OSError):
-                link.send(message)
-
-        def waited_wake(wake: Wake) -> None:
-            reply(Woken(wake.id, self._wake(wake.wait_s)))
-
+    def serve(self, slot: int, helper: Helper) -> None:
+        """Answer one helper until its pair closes (it exited, or ``stop``), or kill it
+        once it has been silent for ``SILENCE_ALLOWED_S``. Only reads here: what waits
+        (a wake that waits, a scrape that reads the database) is answered on a thread."""
         while True:
             try:
-                message = link.recv()
+                if not helper.link.poll(SILENCE_ALLOWED_S):
+                    logger.error(
+                        "API process %s (pid %s) sent nothing for %g s (stuck or stopped); "
+                        "killing it",
+                        slot,
+                        helper.process.pid,
+                        SILENCE_ALLOWED_S,
+                    )
+                    helper.process.kill()
+                    return
+                message = helper.link.recv()
             except (EOFError, OSError):
                 return
             if isinstance(message, Families):
                 self._metrics.helpers.update(slot, message.metrics)
-            elif isinstance(message, Wake):
-                if message.wait_s > 0:  # waits up to a second: not on this reader
-                    threading.Thread(target=waited_wake, args=(message,), daemon=True).start()
-                else:
-                    self._wake(0.0)
-            elif isinstance(message, Expose):
-                reply(Exposed(message.id, self._metrics.exposition()))
+            elif isinstance(message, Wake) and message.wait_s <= 0:
+                self._wake(0.0)
+            elif isinstance(message, (Wake, Expose)):
+                threading.Thread(target=self._answer, args=(helper, message), daemon=True).start()
+
+    def _answer(self, helper: Helper, asked: Wake | Expose) -> None:
+        if isinstance(asked, Wake):
+            helper.send(Woken(asked.id, self._wake(asked.wait_s)))
+        else:
+            helper.send(Exposed(asked.id, self._metrics.exposition()))
 
 
-def _hang_up(link: Connection) -> None:
-    """End ``link`` both ways: its helper reads the end and stops, and our reader of it
-    returns (closing it under a reader that waits in ``recv`` would not wake it)."""
-    with (
-        contextlib.suppress(OSError, ValueError),
-        socket.fromfd(link.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as end,
-    ):
-        end.shutdown(socket.SHUT_RDWR)
+def _reap(process: Any) -> int | None:
+    try:
+        code: int | None = process.wait(STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    return code
 
 
 class ControllerLink:
@@ -307,18 +377,18 @@ class ControllerLink:
 
         threading.Thread(target=read, name="controller-link", daemon=True).start()
 
-    def push(self, shares: Callable[[], list[Metric]]) -> None:
-        """Send ``shares()`` (this process's metrics) every ``PUSH_EVERY_S`` on a thread,
-        until the pair closes."""
-
-        def pushing() -> None:
-            while not self.closed.wait(PUSH_EVERY_S):
-                try:
-                    self.send(Families(shares()))
-                except OSError:
-                    return
-
-        threading.Thread(target=pushing, name="metrics-push", daemon=True).start()
+    async def push(self, shares: Callable[[], list[Metric]]) -> None:
+        """Send ``shares()`` (this process's metrics) every ``PUSH_EVERY_S`` until the
+        pair closes. Run on the event loop, so that a loop that stops turning stops them,
+        and the controller takes this process as stuck; sent on a thread of its own."""
+        sender = anyio.CapacityLimiter(1)
+        while not self.closed.is_set():
+            await anyio.sleep(PUSH_EVERY_S)
+            families = Families(shares())
+            try:
+                await anyio.to_thread.run_sync(self.send, families, limiter=sender)
+            except OSError:
+                return
 
     def send(self, message: Wake | Expose | Families) -> None:
         with self._sending:

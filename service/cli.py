@@ -5,6 +5,7 @@ The node agent's command plugs in (``contract.cli``): ``relaunch agent``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -122,7 +123,8 @@ def server(
     import uvicorn
 
     from service.api.app import create_app
-    from service.api_processes import bind_listeners
+    from service.api_processes import bind_listener
+    from service.db import in_memory
     from service.secrets import SecretsKeyError, load_keyring
     from service.settings import ControllerSettings
 
@@ -137,21 +139,37 @@ def server(
         keyring = load_keyring(settings)  # checked against the database at start
     except SecretsKeyError as exc:
         raise fail(str(exc)) from exc
-    # One socket per process that answers the API (RELAUNCH_API_PROCESSES): this one's,
-    # and one for each helper, which the app's lifespan starts.
-    try:
-        listener, *helper_listeners = bind_listeners(
-            settings.host, settings.port, settings.api_processes
+    if settings.api_processes == 1:
+        uvicorn.run(
+            create_app(settings, keyring=keyring),
+            host=settings.host,
+            port=settings.port,
+            log_level=log_level.lower(),
+            access_log=False,
+            timeout_keep_alive=settings.keep_alive_s,
         )
+        return
+    # Several processes answer the API (RELAUNCH_API_PROCESSES): this socket is this one's,
+    # and each helper the app's lifespan starts gets its own on the same port.
+    if in_memory(settings.db_url):
+        raise fail(
+            "RELAUNCH_API_PROCESSES above 1 needs a database file or PostgreSQL: an "
+            "in-memory database would be a different one in each process"
+        )
+    try:
+        listener = bind_listener(settings.host, settings.port)
     except OSError as exc:
-        raise fail(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
+        raise fail(f"cannot listen on {settings.host!r} port {settings.port}: {exc}") from exc
     config = uvicorn.Config(
-        create_app(settings, keyring=keyring, helper_listeners=helper_listeners),
+        create_app(settings, keyring=keyring, listener=listener),
         log_level=log_level.lower(),
         access_log=False,
         timeout_keep_alive=settings.keep_alive_s,
     )
-    uvicorn.Server(config).run(sockets=[listener])
+    address, port = listener.getsockname()[:2]
+    logger.info("answering on %s port %s with %s processes", address, port, settings.api_processes)
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run takes a Ctrl-C
+        uvicorn.Server(config).run(sockets=[listener])
 
 
 @app.command()

@@ -132,42 +132,52 @@ class HelperShares:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_helper: dict[int, list[Metric]] = {}
+        # What helpers that have exited had counted: kept, so that no sum ever falls
+        # (``rate`` would read a fall as a reset, and count everything again).
+        self._retired: list[Metric] = []
 
     def update(self, helper: int, metrics: list[Metric]) -> None:
         with self._lock:
             self._by_helper[helper] = metrics
 
     def forget(self, helper: int) -> None:
-        """The helper is gone; its counts with it (a counter that falls is a reset)."""
+        """The helper has exited: its last share is kept with the others that did."""
         with self._lock:
-            self._by_helper.pop(helper, None)
+            last = self._by_helper.pop(helper, None)
+            if last is not None:
+                self._retired = _merge(self._retired, [last])
 
     def merged(self, own: Iterable[Metric]) -> list[Metric]:
         """``own`` with every helper's share added: samples of one name and labels are
         summed (``_created``: the earliest), and the number of processes that answer
         the API (this one and the helpers that sent) is ``relaunch_api_processes``."""
         with self._lock:
-            shares = list(self._by_helper.values())
-        families: dict[str, Metric] = {}
-        for family in itertools.chain(own, *shares):
-            into = families.get(family.name)
-            if into is None:
-                families[family.name] = _copy(family)
-            elif into.type == family.type:
-                _add(into, family)
+            shares = [self._retired, *self._by_helper.values()]
         processes = GaugeMetricFamily(
             API_PROCESSES,
             "Processes answering the API: this controller's own and its helpers "
             "(RELAUNCH_API_PROCESSES) that have sent their metrics",
-            value=1 + len(shares),
+            value=len(shares),  # this one's, and not the retired
         )
-        return [*families.values(), processes]
+        return [*_merge(own, shares), processes]
 
 
 def shared_by_helper(metrics: Iterable[Metric]) -> list[Metric]:
     """What a helper sends of its metrics: relaunch's counters and histograms, which add
     up over processes (not gauges, nor the process's own ``process_*``)."""
     return [m for m in metrics if m.name.startswith("relaunch_") and m.type != "gauge"]
+
+
+def _merge(own: Iterable[Metric], shares: list[list[Metric]]) -> list[Metric]:
+    """``own`` with ``shares`` added, as new families (none of them is changed)."""
+    families: dict[str, Metric] = {}
+    for family in itertools.chain(own, *shares):
+        into = families.get(family.name)
+        if into is None:
+            families[family.name] = _copy(family)
+        elif into.type == family.type:
+            _add(into, family)
+    return list(families.values())
 
 
 def _copy(family: Metric) -> Metric:

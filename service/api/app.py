@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import logging
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
@@ -99,16 +100,17 @@ def create_app(
     clock: Callable[[], datetime] = utcnow,
     run_background: bool = True,
     keyring: Keyring | None = None,
-    helper_listeners: Sequence[socket.socket] = (),
+    listener: socket.socket | None = None,
     controller: ControllerLink | None = None,
 ) -> FastAPI:
     """Build the app. With ``run_background`` the lifespan also runs the reconciler;
     tests of the API alone turn that off. The keys of jobs' env values are ``keyring``,
     else loaded from ``settings`` at start; either way checked against the database
-    before the app serves. The lifespan starts an API helper process on each of
-    ``helper_listeners`` (``service.api_processes``); ``controller`` makes this app such
-    a helper, which neither migrates nor runs a reconciler, and passes wakes and
-    ``/metrics`` to the controller."""
+    before the app serves. With ``listener``, the socket it serves on (bound to share its
+    port), the lifespan starts ``settings.api_processes - 1`` API helper processes on the
+    same port (``service.api_processes``); ``controller`` makes this app such a helper,
+    which neither migrates nor runs a reconciler, and passes wakes and ``/metrics`` to
+    the controller."""
     engine = make_engine(
         settings.db_url, settings.database_connections, settings.database_ping_after_idle_s
     )
@@ -150,18 +152,20 @@ def create_app(
             reconciler.start()
             app.state.wake_reconciler = reconciler.wake
         helpers: ApiProcesses | None = None
-        if helper_listeners:
+        if listener is not None and settings.api_processes > 1:
             helpers = ApiProcesses(
                 settings,
-                list(helper_listeners),
+                listener,
+                settings.api_processes - 1,
                 getattr(app.state, "wake_reconciler", _no_reconciler),
                 controller_metrics,
             )
             helpers.start()
             app.state.api_processes = helpers
+        pushing: asyncio.Task[None] | None = None
         if controller is not None:
             app.state.wake_reconciler = controller.wake
-            controller.push(controller_metrics.shares)
+            pushing = asyncio.create_task(controller.push(controller_metrics.shares))
         frozen = settings.gc_freeze and (run_background or helper)
         if frozen:
             freeze_what_started()
@@ -170,6 +174,8 @@ def create_app(
             with controller_metrics.gc_pauses.installed():
                 yield
         finally:
+            if pushing is not None:
+                pushing.cancel()
             if helpers is not None:
                 helpers.stop()
             if frozen:

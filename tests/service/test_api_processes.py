@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.api_processes import ApiProcesses, ControllerLink, Families, _hang_up
+from service import api_processes
+from service.api_processes import ApiProcesses, ControllerLink, Families, Helper
 from service.metrics import API_PROCESSES, ControllerMetrics, HelperShares
 from service.settings import ControllerSettings
 
@@ -32,19 +33,34 @@ class Wakes:
         return wait_s > 0
 
 
+class Process:
+    """What the controller's side does to a helper's process, recorded."""
+
+    pid = 12345
+
+    def __init__(self) -> None:
+        self.killed = threading.Event()
+
+    def kill(self) -> None:
+        self.killed.set()
+
+
 class Joined:
+    """A controller's side (``ApiProcesses.serve``) and a helper's (``ControllerLink``)
+    of one socket pair, in this process."""
+
     def __init__(self, tmp_path: Path) -> None:
         self.wakes = Wakes()
         self.metrics = ControllerMetrics()
         self.closed = threading.Event()
         mine, theirs = socket.socketpair()
-        self.controller_end = Connection(mine.detach())
+        self.process = Process()
+        self.helper = Helper(self.process, Connection(mine.detach()))
+        self.listener = socket.socket()
         processes = ApiProcesses(
-            ControllerSettings(data_dir=tmp_path), [], self.wakes, self.metrics
+            ControllerSettings(data_dir=tmp_path), self.listener, 1, self.wakes, self.metrics
         )
-        self.serving = threading.Thread(
-            target=processes._serve, args=(1, self.controller_end), daemon=True
-        )
+        self.serving = threading.Thread(target=processes.serve, args=(1, self.helper), daemon=True)
         self.serving.start()
         self.link = ControllerLink(Connection(theirs.detach()))
         self.link.listen(self.closed.set)
@@ -54,8 +70,10 @@ class Joined:
 def joined(tmp_path: Path) -> Iterator[Joined]:
     pair = Joined(tmp_path)
     yield pair
-    _hang_up(pair.controller_end)
+    pair.helper.hang_up()
     pair.serving.join(5)
+    pair.helper.close()
+    pair.listener.close()
 
 
 def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -113,14 +131,39 @@ def test_a_scrape_in_a_helper_is_the_controller_s_answer_with_every_share(
     }
 
 
-def test_a_helper_s_share_is_dropped_once_it_is_gone() -> None:
+def test_what_a_helper_counted_is_kept_once_it_has_exited() -> None:
+    """No sum falls when a helper exits (``rate`` would read a reset and count it all
+    again); it is no longer counted among the processes."""
     shares = HelperShares()
     own = counter("relaunch_things", 1.0)
     shares.update(1, [counter("relaunch_things", 5.0)])
-    assert value(shares.merged([own]), "relaunch_things_total") == 6.0
+    shares.update(2, [counter("relaunch_things", 2.0)])
+    assert value(shares.merged([own]), "relaunch_things_total") == 8.0
+    assert value(shares.merged([own]), API_PROCESSES) == 3
     shares.forget(1)
-    assert value(shares.merged([own]), "relaunch_things_total") == 1.0
-    assert value(shares.merged([own]), API_PROCESSES) == 1
+    shares.update(1, [counter("relaunch_things", 0.5)])  # its successor, counting anew
+    shares.forget(2)
+    assert value(shares.merged([own]), "relaunch_things_total") == 8.5
+    assert value(shares.merged([own]), API_PROCESSES) == 2
+
+
+def test_histograms_of_two_processes_add_up() -> None:
+    """Two real histograms, as the controller's and a helper's registries collect them."""
+    ours, theirs = ControllerMetrics(), ControllerMetrics()
+    ours.heartbeat.observe(0.003)
+    theirs.heartbeat.observe(0.003)
+    theirs.heartbeat.observe(7.0)
+    shares = HelperShares()
+    shares.update(1, theirs.shares())
+    merged = shares.merged(list(ours.registry.collect()))
+    assert value(merged, "relaunch_heartbeat_seconds_count") == 3
+    assert value(merged, "relaunch_heartbeat_seconds_sum") == pytest.approx(7.006)
+    assert value(merged, "relaunch_heartbeat_seconds_bucket", {"le": "0.005"}) == 2
+    assert value(merged, "relaunch_heartbeat_seconds_bucket", {"le": "10.0"}) == 3
+    created = [
+        value(m.registry.collect(), "relaunch_heartbeat_seconds_created") for m in (ours, theirs)
+    ]
+    assert value(merged, "relaunch_heartbeat_seconds_created") == min(created)
 
 
 def test_shares_add_by_name_and_labels_and_keep_the_earliest_created() -> None:
@@ -149,7 +192,7 @@ def test_shares_add_by_name_and_labels_and_keep_the_earliest_created() -> None:
 def test_a_helper_whose_controller_hangs_up_stops_and_asks_nothing_more(
     joined: Joined,
 ) -> None:
-    _hang_up(joined.controller_end)
+    joined.helper.hang_up()
     assert joined.closed.wait(5), "the helper was not told its controller hung up"
     began = time.monotonic()
     assert joined.link.wake(5.0) is False
@@ -175,3 +218,18 @@ def value(families: list[Metric], sample: str, labels: dict[str, str] | None = N
     ]
     assert len(found) == 1, (sample, labels, found)
     return found[0]
+
+
+def test_a_silent_helper_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper whose event loop sends nothing (stuck, or stopped) still holds its socket,
+    whose share of the port's connections would get no answer: it is killed."""
+    monkeypatch.setattr(api_processes, "SILENCE_ALLOWED_S", 0.5)
+    pair = Joined(tmp_path)
+    try:
+        pair.link.send(Families([]))  # heard once, then silent
+        pair.serving.join(10)
+        assert not pair.serving.is_alive()
+        assert pair.process.killed.is_set()
+    finally:
+        pair.helper.close()
+        pair.listener.close()
