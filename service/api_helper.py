@@ -16,7 +16,8 @@ import uvicorn
 from contract.logs import LOG_FORMAT
 from contract.prctl import set_parent_death_signal, set_process_name
 from service.api.app import create_app
-from service.api_processes import PROCESS_NAME, ControllerLink, Start
+from service.api_processes import PROCESS_NAME, ControllerLink
+from service.reconciler_process import Start
 from service.secrets import load_keyring
 from service.settings import ControllerSettings
 

@@ -53,6 +53,8 @@ import anyio
 import anyio.to_thread
 from prometheus_client.core import Metric
 
+from service.reconciler_process import Start  # a child's first message: settings, log level
+
 if TYPE_CHECKING:
     from service.metrics import ControllerMetrics
     from service.settings import ControllerSettings
@@ -85,38 +87,26 @@ def bind_listener(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        listener.bind(address)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
+    return _bind_shared(family, kind, proto, address)
 
 
 def _bind_like(listener: socket.socket) -> socket.socket:
     """Another socket on ``listener``'s address and port, for a helper."""
-    other = socket.socket(listener.family, listener.type, listener.proto)
+    return _bind_shared(listener.family, listener.type, listener.proto, listener.getsockname())
+
+
+def _bind_shared(family: int, kind: int, proto: int, address: Any) -> socket.socket:
+    shared = socket.socket(family, kind, proto)
     try:
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if listener.family == socket.AF_INET6:
-            other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        other.bind(listener.getsockname())
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            shared.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        shared.bind(address)
     except BaseException:
-        other.close()
+        shared.close()
         raise
-    return other
-
-
-@dataclass(frozen=True)
-class Start:
-    settings: ControllerSettings
-    log_level: int
+    return shared
 
 
 @dataclass(frozen=True)
