@@ -53,7 +53,8 @@ import anyio
 import anyio.to_thread
 from prometheus_client.core import Metric
 
-from service.reconciler_process import Start  # a child's first message: settings, log level
+# A child's first message (settings, log level), and how children are started again.
+from service.reconciler_process import Respawns, Start, reap
 
 if TYPE_CHECKING:
     from service.metrics import ControllerMetrics
@@ -62,9 +63,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "relaunch-api"  # /proc/PID/comm keeps 15 bytes
-RESPAWN_FIRST_S = 1.0
-RESPAWN_MAX_S = 30.0
-RESPAWN_RESET_AFTER_S = 60.0  # a helper that ran this long is started again after 1 s
 STOP_WAIT_S = 10.0  # a stopping helper finishes the requests it has begun within this
 PUSH_EVERY_S = 1.0  # how stale a helper's share of /metrics may be
 # A helper whose event loop sent nothing this long is taken as stuck (or stopped), killed
@@ -213,15 +211,16 @@ class ApiProcesses:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def _watch(self, slot: int) -> None:
-        delay = RESPAWN_FIRST_S
+        respawns = Respawns(self._stopping)
         while not self._stopping.is_set():
             began = time.monotonic()
             try:
                 helper = self._spawn()
             except Exception:
-                logger.exception("could not start API process %s; again in %g s", slot, delay)
-                self._stopping.wait(delay)
-                delay = min(delay * 2, RESPAWN_MAX_S)
+                logger.exception(
+                    "could not start API process %s; again in %g s", slot, respawns.delay
+                )
+                respawns.wait()
                 continue
             with self._lock:
                 self._helpers[slot] = helper
@@ -236,21 +235,19 @@ class ApiProcesses:
                 with self._lock:
                     self._helpers.pop(slot, None)
                 helper.close()
-                code = _reap(helper.process)
+                code = reap(helper.process)
                 self._metrics.helpers.forget(slot)
             if self._stopping.is_set():
                 return
-            if time.monotonic() - began > RESPAWN_RESET_AFTER_S:
-                delay = RESPAWN_FIRST_S
+            respawns.ran(began)
             logger.error(
                 "API process %s (pid %s) exited (code %s); starting another in %g s",
                 slot,
                 helper.process.pid,
                 code,
-                delay,
+                respawns.delay,
             )
-            self._stopping.wait(delay)
-            delay = min(delay * 2, RESPAWN_MAX_S)
+            respawns.wait()
 
     def _spawn(self) -> Helper:
         # A socket of its own: when the helper exits, its last copy closes and the kernel
@@ -285,7 +282,7 @@ class ApiProcesses:
             pass  # it died at once: ``serve`` reads the end of its pair
         except BaseException:
             process.kill()
-            _reap(process)
+            reap(process)
             helper.close()
             raise
         logger.info("API process running as %s", process.pid)
@@ -322,15 +319,6 @@ class ApiProcesses:
             helper.send(Woken(asked.id, self._wake(asked.wait_s)))
         else:
             helper.send(Exposed(asked.id, self._metrics.exposition()))
-
-
-def _reap(process: Any) -> int | None:
-    try:
-        code: int | None = process.wait(STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        code = process.wait()
-    return code
 
 
 class ControllerLink:

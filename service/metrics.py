@@ -152,14 +152,15 @@ class HelperShares:
         summed (``_created``: the earliest), and the number of processes that answer
         the API (this one and the helpers that sent) is ``relaunch_api_processes``."""
         with self._lock:
-            shares = [self._retired, *self._by_helper.values()]
+            helpers = list(self._by_helper.values())
+            retired = self._retired
         processes = GaugeMetricFamily(
             API_PROCESSES,
             "Processes answering the API: this controller's own and its helpers "
             "(RELAUNCH_API_PROCESSES) that have sent their metrics",
-            value=len(shares),  # this one's, and not the retired
+            value=1 + len(helpers),
         )
-        return [*_merge(own, shares), processes]
+        return [*_merge(own, [retired, *helpers]), processes]
 
 
 def shared_by_helper(metrics: Iterable[Metric]) -> list[Metric]:

@@ -72,6 +72,35 @@ CHILD_MAIN = (
 )
 
 
+class Respawns:
+    """When a child process that died is started again: after ``RESPAWN_FIRST_S``,
+    doubling up to ``RESPAWN_MAX_S`` while children keep dying, and after the first again
+    once one ran ``RESPAWN_RESET_AFTER_S``."""
+
+    def __init__(self, stopping: threading.Event) -> None:
+        self._stopping = stopping
+        self.delay = RESPAWN_FIRST_S  # the next wait
+
+    def ran(self, began: float) -> None:
+        """The child started at ``began`` (``time.monotonic``) has exited."""
+        if time.monotonic() - began > RESPAWN_RESET_AFTER_S:
+            self.delay = RESPAWN_FIRST_S
+
+    def wait(self) -> None:
+        """Wait ``delay`` (less if stopping), and double the next."""
+        self._stopping.wait(self.delay)
+        self.delay = min(self.delay * 2, RESPAWN_MAX_S)
+
+
+def reap(child: subprocess.Popen[bytes]) -> int:
+    """``child``'s exit status, once it has exited; SIGKILLed after ``STOP_WAIT_S``."""
+    try:
+        return child.wait(STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.wait()
+
+
 def silence_allowed(settings: ControllerSettings) -> float:
     """How long the controller waits for its child's next pass before it kills it: a pass
     and the rest after it (at most a third of a lease) end well within this."""
@@ -300,36 +329,31 @@ class ReconcilerProcess:
         return child, inbox
 
     def _watch(self) -> None:
-        delay = RESPAWN_FIRST_S
+        respawns = Respawns(self._stopping)
         while not self._stopping.is_set():
             began = time.monotonic()
             try:
                 child, inbox = self._spawn()
             except Exception:
-                logger.exception("could not start the reconciler process; again in %g s", delay)
-                self._stopping.wait(delay)
-                delay = min(delay * 2, RESPAWN_MAX_S)
+                logger.exception(
+                    "could not start the reconciler process; again in %g s", respawns.delay
+                )
+                respawns.wait()
                 continue
             self._hear(inbox, child)
             self._close_outbox()
-            try:
-                code = child.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                code = child.wait()
+            code = reap(child)
             self._relayed.not_leading()
             if self._stopping.is_set():
                 return
-            if time.monotonic() - began > RESPAWN_RESET_AFTER_S:
-                delay = RESPAWN_FIRST_S
+            respawns.ran(began)
             logger.error(
                 "the reconciler process %s exited (code %s); starting another in %g s",
                 child.pid,
                 code,
-                delay,
+                respawns.delay,
             )
-            self._stopping.wait(delay)
-            delay = min(delay * 2, RESPAWN_MAX_S)
+            respawns.wait()
 
     def _hear(self, inbox: Connection, child: subprocess.Popen[bytes]) -> None:
         """Read the child's passes until it closes its end (exits), or kill it once it has

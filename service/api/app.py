@@ -28,7 +28,7 @@ from service.api import enrolment, health, jobs, metrics, nodes, rendezvous, use
 from service.api.answers import AnswerCache
 from service.api.body_limit import BodyLimit
 from service.api.conditional import ConditionalGet
-from service.api.deps import _no_reconciler
+from service.api.deps import no_reconciler
 from service.api_processes import ApiProcesses, ControllerLink
 from service.db import (
     database_busy,
@@ -157,11 +157,10 @@ def create_app(
                 settings,
                 listener,
                 settings.api_processes - 1,
-                getattr(app.state, "wake_reconciler", _no_reconciler),
+                getattr(app.state, "wake_reconciler", no_reconciler),
                 controller_metrics,
             )
             helpers.start()
-            app.state.api_processes = helpers
         pushing: asyncio.Task[None] | None = None
         if controller is not None:
             app.state.wake_reconciler = controller.wake

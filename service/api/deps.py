@@ -115,11 +115,11 @@ async def get_heartbeat_liveness(request: Request) -> Liveness:
 async def get_wake(request: Request) -> Callable[[float], bool]:
     """Start the reconciler's next pass now, and wait up to the seconds given for it to
     end (``Reconciler.wake``); does nothing where no reconciler runs (False)."""
-    wake: Callable[[float], bool] = getattr(request.app.state, "wake_reconciler", _no_reconciler)
+    wake: Callable[[float], bool] = getattr(request.app.state, "wake_reconciler", no_reconciler)
     return wake
 
 
-def _no_reconciler(wait_s: float) -> bool:
+def no_reconciler(wait_s: float) -> bool:
     return False
 
 
