@@ -42,6 +42,7 @@ from contract.protocol import (
     NodeRegistered,
     RunningAttempt,
 )
+from worker.agent import PACE_SPREAD_LEAST
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ class SimNode:
         self._token = ""
         self._interval_s = 1.0
         self._base_interval_s = 1.0  # registration's
+        # What the next heartbeat waits after this one: the interval, or after a change of
+        # pace a random part of it, as an agent waits (``worker.agent.PACE_SPREAD_LEAST``).
+        self._wait_s = 1.0
         # What each run has to report and when it may next send it (``_report``).
         self._held: dict[RunKey, tuple[list[Any], list[str]]] = {}
         self._next_report: dict[RunKey, float] = {}
@@ -198,8 +202,9 @@ class SimNode:
         try:
             while time.monotonic() < until():
                 sent = time.monotonic()
+                self._wait_s = self._interval_s
                 await self._heartbeat()
-                await asyncio.sleep(max(0.0, sent + self._interval_s - time.monotonic()))
+                await asyncio.sleep(max(0.0, sent + self._wait_s - time.monotonic()))
         finally:
             self._closing = True
             for _, task in self._runs.values():
@@ -229,11 +234,12 @@ class SimNode:
             self._stats.error(f"heartbeat {response.status_code}")
             return
         reply = HeartbeatReply.model_validate(response.json())
-        if reply.heartbeat_interval_s is not None:  # the controller's pace, as agents follow it
-            self._interval_s = reply.heartbeat_interval_s
-            self._stats.interval_told_s_max = max(
-                self._stats.interval_told_s_max, reply.heartbeat_interval_s
-            )
+        told = reply.heartbeat_interval_s
+        if told is not None:  # the controller's pace, followed as agents follow it
+            self._stats.interval_told_s_max = max(self._stats.interval_told_s_max, told)
+            if told != self._interval_s:
+                self._interval_s = told
+                self._wait_s = random.uniform(PACE_SPREAD_LEAST * told, told)
         wanted = {a.attempt_id for a in reply.assignments}
         for attempt_id in [a for a in self._runs if a not in wanted]:
             self._runs[attempt_id][1].cancel()  # no longer assigned: the run stops

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import signal
 import threading
@@ -79,6 +80,10 @@ _REMEMBERED_FINISHED = 4096
 _REGISTER_BACKOFF_MAX_S = 10.0
 ALIVE_EVERY_S = 1.0
 _DEFAULT_HEARTBEAT_S = 1.0
+# The least part of a newly told heartbeat interval a node waits before its next heartbeat
+# (``NodeAgent._follow_pace``): during a change of pace a node heartbeats at most twice as
+# often as told, and never less often.
+PACE_SPREAD_LEAST = 0.5
 
 
 class Delivery(Enum):
@@ -162,10 +167,14 @@ class NodeAgent:
         client: ControllerClient,
         clock: Callable[[], float] = time.monotonic,
         inventory: gpus.GpuInventory | None = None,
+        spread: Callable[[float, float], float] = random.uniform,
     ) -> None:
+        """``spread(low, high)``: a random wait between the two (``_follow_pace``,
+        ``_retry_heartbeat``)."""
         self._settings = settings
         self._client = client
         self._clock = clock
+        self._spread = spread
         self._inventory = inventory if inventory is not None else gpus.GpuInventory()
         self._stop = threading.Event()
         self._attempts: dict[int, Attempt] = {}
@@ -451,13 +460,20 @@ class NodeAgent:
         heartbeat recorded the node as heard from, and asks for the pace."""
         self._heartbeats_failed += 1
         retry_s = self._base_heartbeat_s * 2 ** min(self._heartbeats_failed - 1, 16)
-        retry_s = max(retry_s, retry_after_s)
+        # Nodes whose heartbeats failed in one stall of the controller's do not all try
+        # again in the same moment.
+        retry_s = max(self._spread(retry_s / 2, retry_s), retry_after_s)
         if retry_s < self._heartbeat_s:
             self._next_heartbeat = min(self._next_heartbeat, self._clock() + retry_s)
 
     def _follow_pace(self, interval_s: float | None) -> None:
-        """Send the next heartbeat after the interval the reply gave: the controller
-        lengthens it as the fleet grows (``service.heartbeats.Pace``)."""
+        """Follow the interval the reply gave: the controller lengthens it as the fleet
+        grows (``service.heartbeats.Pace``). The next heartbeat goes after a random part of
+        it, between ``PACE_SPREAD_LEAST`` of it and all of it, and the ones after it at the
+        interval. Had each node kept its phase (the next after the new interval), nodes
+        told a longer interval at about the same time, as a growing fleet's are, would
+        keep the window of the first interval: a fleet paced from 1 s to 10 s sent all its
+        heartbeats in the same second of every ten."""
         if interval_s is None or interval_s == self._heartbeat_s:
             return
         logger.info(
@@ -466,7 +482,8 @@ class NodeAgent:
             interval_s,
             self._heartbeat_s,
         )
-        self._next_heartbeat += interval_s - self._heartbeat_s  # step() set it: sent + old
+        sent = self._next_heartbeat - self._heartbeat_s  # step() set it: sent + old
+        self._next_heartbeat = sent + self._spread(PACE_SPREAD_LEAST * interval_s, interval_s)
         self._heartbeat_s = interval_s
 
     def _waits(self, assignment: Assignment) -> bool:

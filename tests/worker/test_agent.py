@@ -1,10 +1,15 @@
 """NodeAgent.step against a scripted client and a hand-moved clock (no processes)."""
 
 import os
+import random
+from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from contract.protocol import (
     AttemptExit,
@@ -19,7 +24,8 @@ from contract.protocol import (
     ReportAccepted,
     RunningAttempt,
 )
-from worker.agent import NodeAgent
+from worker import procs
+from worker.agent import PACE_SPREAD_LEAST, NodeAgent
 from worker.client import ControllerClient, ControllerUnavailableError, UnknownNodeError
 from worker.settings import AgentSettings
 
@@ -64,12 +70,25 @@ class Clock:
         return self.now
 
 
-def _agent(tmp_path: Path) -> tuple[NodeAgent, ScriptedClient, Clock]:
+def _longest(low: float, high: float) -> float:
+    """A spread of the agent's that always waits the longest it may."""
+    return high
+
+
+def _least(low: float, high: float) -> float:
+    return low
+
+
+def _agent(
+    tmp_path: Path,
+    spread: Callable[[float, float], float] = _longest,
+    clock: Clock | None = None,
+) -> tuple[NodeAgent, ScriptedClient, Clock]:
     settings = AgentSettings(
         enrolment_token="t", controller_url="http://c:1", name="loop", work_dir=tmp_path
     )
-    client, clock = ScriptedClient(), Clock()
-    return NodeAgent(settings, client, clock=clock), client, clock
+    client, clock = ScriptedClient(), clock or Clock()
+    return NodeAgent(settings, client, clock=clock, spread=spread), client, clock
 
 
 def test_registration_backs_off_then_heartbeats_on_the_controllers_interval(
@@ -176,10 +195,81 @@ def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -
     assert client.calls.count("heartbeat 7") == 4
 
 
-def _heartbeats_sent_at(tmp_path: Path, failures: list[Exception]) -> list[float]:
+def test_a_node_told_a_new_interval_first_waits_a_random_part_of_it(tmp_path: Path) -> None:
+    """Between half of it and all of it, then the whole interval: lengthened or shortened."""
+    asked: list[tuple[float, float]] = []
+
+    def least(low: float, high: float) -> float:
+        asked.append((low, high))
+        return low
+
+    agent, client, clock = _agent(tmp_path, spread=least)
+    told: list[float | None] = [8.0, None, 2.0]
+
+    def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
+        client.calls.append(f"heartbeat {node_id}")
+        return HeartbeatReply(heartbeat_interval_s=told.pop(0) if told else None)
+
+    client.heartbeat = paced  # type: ignore[method-assign]
+    sent_at = []
+    for tick in range(0, 200):
+        clock.now = 100.0 + tick / 10 + 0.01
+        before = client.calls.count("heartbeat 7")
+        agent.step()
+        if client.calls.count("heartbeat 7") > before:
+            sent_at.append(round(clock.now - 100.0, 1))
+    # Registered at 0; 0.1: told 8 s, waits 4; 4.1: none told, waits 8; 12.1: told 2 s,
+    # waits 1; 13.1: none told, waits 2
+    assert sent_at[:5] == [0.1, 4.1, 12.1, 13.1, 15.1]
+    assert asked == [(PACE_SPREAD_LEAST * 8.0, 8.0), (PACE_SPREAD_LEAST * 2.0, 2.0)]
+
+
+def test_a_fleet_paced_longer_as_it_grows_spreads_its_heartbeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nodes that registered within one second, told an interval that grows from 1 s to
+    10 s over a minute (as ``service.heartbeats.Pace`` tells a growing fleet), then 10 s:
+    their heartbeats come spread over the ten seconds, not all in one of them."""
+    # These agents start no processes: none to reap (a look at /proc at every report tick).
+    monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
+    nodes, clock, rng = 40, Clock(), random.Random(7)
+    agents = []
+    for i in range(nodes):
+        (tmp_path / str(i)).mkdir()
+        agent, client, _ = _agent(tmp_path / str(i), spread=rng.uniform, clock=clock)
+
+        def paced(node_id: int, body: Heartbeat, client: ScriptedClient = client) -> HeartbeatReply:
+            client.calls.append(f"heartbeat {node_id} {clock.now:.2f}")
+            grown = min(10.0, 1.0 + 9.0 * (clock.now - 100.0) / 60.0)
+            return HeartbeatReply(heartbeat_interval_s=round(grown, 2))
+
+        client.heartbeat = paced  # type: ignore[method-assign]
+        agents.append((rng.uniform(0.0, 1.0), agent, client))
+    for tick in range(0, 480):
+        clock.now = 100.0 + tick / 4
+        for registers_at, agent, _ in agents:
+            if clock.now - 100.0 >= registers_at:
+                agent.step()
+    seconds: Counter[int] = Counter()
+    for _, _, client in agents:
+        for call in client.calls:
+            at = float(call.rsplit(" ", 1)[1]) if call.startswith("heartbeat") else 0.0
+            if at >= 190.0:  # the last 30 s, at 10 s
+                seconds[int(at) % 10] += 1
+    assert sum(seconds.values()) == 3 * nodes
+    # Spread evenly, each second would hold 12; all in one window, one would hold 120.
+    assert max(seconds.values()) <= 30, sorted(seconds.items())
+
+
+def _heartbeats_sent_at(
+    tmp_path: Path,
+    failures: list[Exception],
+    spread: Callable[[float, float], float] = _longest,
+) -> list[float]:
     """When (seconds after registration) the agent sent its heartbeats, paced at 10 s by
     the first reply, with the next ones failing with ``failures`` in turn."""
-    agent, client, clock = _agent(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    agent, client, clock = _agent(tmp_path, spread)
 
     def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
         client.calls.append(f"heartbeat {node_id}")
@@ -210,6 +300,17 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
     assert sent_at[:5] == [10.0, 12.0, 16.0, 24.0, 34.0]
 
 
+def test_a_failed_heartbeat_is_tried_again_after_a_random_half_to_whole_of_its_wait(
+    tmp_path: Path,
+) -> None:
+    """Nodes that failed in one stall of the controller's do not all try again at once:
+    here each waits the least, half of 2 s, 4 s and 8 s (and the first, after the pace of
+    10 s was told, half of that)."""
+    sent_at = _heartbeats_sent_at(tmp_path, [ControllerUnavailableError("down")] * 3, _least)
+    # 5: fails, 6: fails, 8: fails, 12: answered, 22: at the pace
+    assert sent_at[:5] == [5.0, 6.0, 8.0, 12.0, 22.0]
+
+
 def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Path) -> None:
     """An overloaded controller sheds a heartbeat with 503 and Retry-After (it recorded the
     node as heard from): the next goes after that wait, not after the base interval; a
@@ -218,9 +319,10 @@ def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Pat
         ControllerUnavailableError("shed", 503, retry_after_s=5.0),
         ControllerUnavailableError("shed", 503, retry_after_s=30.0),
     ]
-    sent_at = _heartbeats_sent_at(tmp_path, shed)
-    # 10: shed, asks 5 s (not the 2 s base); 15: shed, asks 30 s: the pace (10 s) wins
-    assert sent_at[:4] == [10.0, 15.0, 25.0, 35.0]
+    for spread in (_longest, _least):
+        sent_at = _heartbeats_sent_at(tmp_path / spread.__name__, list(shed), spread)
+        # 0: shed, asks 5 s (not the 2 s base); 5: shed, asks 30 s: the pace (10 s) wins
+        assert [t - sent_at[0] for t in sent_at[:4]] == [0.0, 5.0, 15.0, 25.0]
 
 
 class NewsyAttempt:
