@@ -24,6 +24,15 @@ def freeze_what_started() -> None:
     logger.info("%d objects of the start left out of garbage collection", gc.get_freeze_count())
 
 
+def collect_young_after(objects: int) -> tuple[int, int, int]:
+    """Scan the youngest generation once ``objects`` more objects are alive than at the
+    last scan (``gc.set_threshold``'s first number; the older generations' stay). Returns
+    the thresholds before, for ``gc.set_threshold`` to restore."""
+    before = gc.get_threshold()
+    gc.set_threshold(objects, before[1], before[2])
+    return before
+
+
 class GcPauses:
     """Times each run of Python's cyclic garbage collector into ``histogram``, by
     generation: while one runs, no thread of the process runs Python, so a heartbeat

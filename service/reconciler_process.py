@@ -42,7 +42,7 @@ from prometheus_client.core import Metric
 from contract.logs import LOG_FORMAT
 from contract.prctl import set_parent_death_signal, set_process_name
 from service.db import make_engine, make_session_factory
-from service.gc_pauses import freeze_what_started
+from service.gc_pauses import collect_young_after, freeze_what_started
 from service.metrics import ReconcilerMetrics, Relayed
 from service.passes import PassSignals
 from service.reconciler import Reconciler
@@ -171,6 +171,7 @@ def serve(settings: ControllerSettings, inbox: Connection, outbox: Connection) -
     )
     if settings.gc_freeze:
         freeze_what_started()
+    collect_young_after(settings.gc_young_threshold)
     try:
         reconciler.loop()
     finally:

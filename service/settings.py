@@ -171,6 +171,17 @@ class ControllerSettings(BaseSettings):
         "collector, so that a full collection, during which no request runs, does not "
         "scan them again and again; in the reconciler's process too",
     )
+    gc_young_threshold: int = Field(
+        default=20_000,
+        ge=100,
+        le=10_000_000,
+        description="In the controller's processes, how many more objects Python's "
+        "garbage collector lets there be before it scans its youngest generation (the "
+        "first number of gc.set_threshold; Python's own is 700). A request's objects "
+        "live as long as the request: scanned every 700, they are found alive mid-request "
+        "and moved to the older generations, whose scans are the long pauses during "
+        "which no request runs",
+    )
     share_gpu_nodes_across_users: bool = Field(
         default=False,
         description="Let CUDA jobs of different users share a node (each on GPUs of its "

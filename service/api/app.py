@@ -50,7 +50,7 @@ from service.errors import (
     TooLarge,
     Unauthenticated,
 )
-from service.gc_pauses import freeze_what_started
+from service.gc_pauses import collect_young_after, freeze_what_started
 from service.heartbeats import Answers, Liveness, OneStatement, Pace, count_alive
 from service.metrics import ControllerMetrics, RequestMetrics
 from service.reconciler import Reconciler, utcnow
@@ -165,9 +165,12 @@ def create_app(
         if controller is not None:
             app.state.wake_reconciler = controller.wake
             pushing = asyncio.create_task(controller.push(controller_metrics.shares))
-        frozen = settings.gc_freeze and (run_background or helper)
+        # A server's own processes, not an app a test runs in its process.
+        serving = run_background or helper
+        frozen = settings.gc_freeze and serving
         if frozen:
             freeze_what_started()
+        thresholds = collect_young_after(settings.gc_young_threshold) if serving else None
         logger.info("controller ready on %s:%s", settings.host, settings.port)
         try:
             with controller_metrics.gc_pauses.installed():
@@ -179,6 +182,8 @@ def create_app(
                 helpers.stop()
             if frozen:
                 gc.unfreeze()
+            if thresholds is not None:
+                gc.set_threshold(*thresholds)
             reconciler.stop()
             engine.dispose()
             read_engine.dispose()

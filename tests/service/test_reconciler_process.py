@@ -248,3 +248,16 @@ def test_a_killed_controller_takes_its_reconciler_process_with_it(
     for left in alive:
         left.kill()
     assert gone, "the reconciler process outlived its controller"
+
+
+def test_a_serving_controller_scans_its_youngest_objects_at_its_own_threshold(
+    live_settings: ControllerSettings,
+) -> None:
+    """RELAUNCH_GC_YOUNG_THRESHOLD while the controller serves; Python's own once it stops."""
+    before = gc.get_threshold()
+    with Cluster(create_app(live_settings)):
+        assert gc.get_threshold() == (live_settings.gc_young_threshold, *before[1:])
+    assert gc.get_threshold() == before
+    with Cluster(create_app(live_settings.model_copy(update={"gc_young_threshold": 5_000}))):
+        assert gc.get_threshold()[0] == 5_000
+    assert gc.get_threshold() == before
