@@ -74,6 +74,8 @@ PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 JOBS_PER_USER = 100
 # What a node agent waits for an answer (worker.client's default) before it gives up.
 AGENT_TIMEOUT_S = 5.0
+# Python's own first garbage-collection threshold (``gc.get_threshold()[0]`` by default).
+PYTHON_GC_YOUNG_THRESHOLD = 700
 # The API threads that several API processes share out (the controller's default for one).
 API_THREADS_SHARED = 40
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
@@ -113,6 +115,8 @@ class Options:
     reconciler_process: bool = True
     # RELAUNCH_GC_FREEZE: what the controller made at start left out of garbage collections.
     gc_freeze: bool = True
+    # RELAUNCH_GC_YOUNG_THRESHOLD of the controller; None: its default.
+    gc_young_threshold: int | None = None
     # RELAUNCH_DATABASE_PING_AFTER_IDLE_S=0 (a ping at every loan of a pooled connection)
     # and RELAUNCH_HEARTBEAT_ONE_STATEMENT=false (a heartbeat is a transaction of two).
     every_round_trip: bool = False
@@ -126,6 +130,10 @@ class Options:
     # RELAUNCH_API_PROCESSES and RELAUNCH_API_THREADS (per process); None: the defaults.
     api_processes: int | None = None
     api_threads: int | None = None
+    # Seconds the fleet runs after the last registration before the measurement starts:
+    # the burst of the fleet's start (every node free at once, a placement wave, its
+    # reports) drains meanwhile; the heartbeats it saw are reported apart.
+    settle_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,8 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
         "RELAUNCH_RECONCILER_PROCESS": "true" if options.reconciler_process else "false",
         "RELAUNCH_GC_FREEZE": "true" if options.gc_freeze else "false",
     }
+    if options.gc_young_threshold is not None:
+        env["RELAUNCH_GC_YOUNG_THRESHOLD"] = str(options.gc_young_threshold)
     if options.heartbeat_threads is not None:
         env["RELAUNCH_HEARTBEAT_THREADS"] = str(options.heartbeat_threads)
     if options.heartbeat_wait_max_s is not None:
@@ -245,6 +255,8 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             await asyncio.gather(*serving, return_exceptions=True)
             raise
         register_s = time.monotonic() - started
+        await asyncio.sleep(options.settle_s)
+        start_beats = (list(stats.heartbeat_ms), stats.heartbeat_timeouts)
 
         controller = psutil.Process(cluster.procs["controller"].pid)
         me = psutil.Process()
@@ -295,11 +307,27 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
     result["reconcile"]["measured_over_s"] = metrics_s
+    result["setup"]["fleet_start"] = fleet_start(*start_beats, register_s, options.settle_s)
     result["machine"] = machine
     result["setup"]["registrations"] = vars(registrations)
     result["offered"] = offered(stats, running, wall)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     return result
+
+
+def fleet_start(
+    heartbeat_ms: list[float], timed_out: int, register_s: float, settle_s: float
+) -> dict[str, Any]:
+    """The heartbeats of the fleet's start (registration and the settling after it),
+    which the measurement leaves out."""
+    return {
+        "seconds": register_s + settle_s,
+        "settle_s": settle_s,
+        "heartbeats": len(heartbeat_ms),
+        "heartbeat_p50_ms": quantile(heartbeat_ms, 0.5),
+        "heartbeat_p99_ms": quantile(heartbeat_ms, 0.99),
+        "heartbeats_timed_out": timed_out,
+    }
 
 
 SLOW_PASS = re.compile(r"slow reconciler pass: ([0-9.]+) s \((.*?)\) over (\d+) nodes and (\d+)")
@@ -789,6 +817,14 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['setup']['submits_per_s']:.0f} submits/s, nodes registered in "
         f"{result['setup']['register_s']:.1f} s"
     )
+    start = result["setup"].get("fleet_start")
+    if start is not None:
+        console.print(
+            f"the fleet's start (left out of the measurement: registration and "
+            f"{start['settle_s']:.0f} s of settling, {start['seconds']:.0f} s in "
+            f"all): heartbeat p50 {start['heartbeat_p50_ms']:.0f} ms, p99 "
+            f"{start['heartbeat_p99_ms']:.0f} ms, {start['heartbeats_timed_out']} unanswered"
+        )
     load = result["offered"]
     console.print(
         f"load offered: {load['runs_running_mean']:.0f} runs under way on mean (max "
@@ -840,6 +876,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--readers", type=int, default=1, help="polling processes per phase")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=30.0,
+        help="seconds the fleet runs after its registrations before the measurement starts "
+        "(the fleet's start is reported apart)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="steps of each simulated run")
     parser.add_argument("--step-s", type=float, default=0.5, help="seconds per simulated step")
     parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="makes the database")
@@ -873,6 +916,12 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline-no-gc-freeze",
         action="store_true",
         help="first run the same load with every object of the controller's start collected",
+    )
+    parser.add_argument(
+        "--baseline-python-gc-threshold",
+        action="store_true",
+        help="first run the same load with Python's own threshold for collecting the "
+        f"youngest objects ({PYTHON_GC_YOUNG_THRESHOLD})",
     )
     parser.add_argument(
         "--baseline-every-round-trip",
@@ -929,6 +978,7 @@ def main(argv: list[str] | None = None) -> None:
         jobs=args.jobs,
         db=args.db,
         seconds=args.seconds,
+        settle_s=args.settle_s,
         readers=args.readers,
         training=Training(steps=args.steps, step_s=args.step_s),
         pg_admin_url=args.pg_admin_url,
@@ -979,6 +1029,15 @@ def _gen2(pauses: dict[str, float]) -> str:
     return f"{pauses['count']:.0f}, {pauses['total_ms']:.0f}, {pauses['p99_ms']:.0f}"
 
 
+def _gc_all(pauses: dict[str, dict[str, float]]) -> str:
+    count = sum(p["count"] for p in pauses.values())
+    return f"{count:.0f}, {sum(p['total_ms'] for p in pauses.values()):.0f}"
+
+
+def _start_pair(start: dict[str, Any]) -> str:
+    return f"{start['heartbeat_p50_ms']:.0f} / {start['heartbeat_p99_ms']:.0f}"
+
+
 def _reads(result: dict[str, Any], phase: str) -> str:
     for read in result["reads"]:
         if read["phase"] == phase:
@@ -1027,8 +1086,12 @@ def print_side_by_side(
          lambda r: f"{100 * r['controller']['reconciler_process_cpu_share_of_one_core']:.0f} %"),
         ("of it the API's helper processes",
          lambda r: f"{100 * r['controller']['api_helpers_cpu_share_of_one_core']:.0f} %"),
+        ("garbage collections, every generation: count, total (ms)",
+         lambda r: _gc_all(r["controller"]["gc_pauses"])),
         ("gen 2 garbage collections: count, total, p99 (ms)",
          lambda r: _gen2(r["controller"]["gc_pauses"]["2"])),
+        ("the fleet's start (left out): heartbeat p50 / p99 (ms)",
+         lambda r: _start_pair(r["setup"]["fleet_start"])),
         ("PostgreSQL server CPU (share of a core)",
          lambda r: f"{100 * r['machine']['database_server_share_of_one_core']:.0f} %"),
         ("machine busy, of it in the kernel (all cores)",
@@ -1077,6 +1140,11 @@ BASELINES: dict[
         {"gc_freeze": False},
         ("no gc freeze", "gc freeze"),
         _same_load("the start's objects collected or frozen"),
+    ),
+    "baseline_python_gc_threshold": (
+        {"gc_young_threshold": PYTHON_GC_YOUNG_THRESHOLD},
+        (f"gc threshold {PYTHON_GC_YOUNG_THRESHOLD}", "controller's gc threshold"),
+        _same_load("the youngest objects collected at Python's threshold or the controller's"),
     ),
     "baseline_every_round_trip": (
         {"every_round_trip": True},

@@ -22,6 +22,7 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
         training=training,
         work_dir=tmp_path,
         heartbeats_per_s_max=2.5,  # 4 nodes: each told 1.6 s once they are counted
+        settle_s=1.0,
     )
     result = run(options)
     assert result["heartbeat"]["interval_told_s_max"] == 1.6
@@ -35,6 +36,10 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     assert result["nodes_by_state_at_end"]["ALIVE"] == 4
     registrations = result["setup"]["registrations"]
     assert registrations["tries"] >= 4 and registrations["refused"] == 0, registrations
+    # The fleet's start, left out of the measurement, is reported apart.
+    start = result["setup"]["fleet_start"]
+    assert start["settle_s"] == 1.0 and start["seconds"] > 1.0, start
+    assert start["heartbeats"] >= 4 and start["heartbeat_p99_ms"] > 0, start
     assert [r["phase"] for r in result["reads"]] == [
         "job list",
         "job list, If-None-Match",
