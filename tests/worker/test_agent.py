@@ -211,13 +211,7 @@ def test_a_node_told_a_new_interval_first_waits_a_random_part_of_it(tmp_path: Pa
         return HeartbeatReply(heartbeat_interval_s=told.pop(0) if told else None)
 
     client.heartbeat = paced  # type: ignore[method-assign]
-    sent_at = []
-    for tick in range(0, 200):
-        clock.now = 100.0 + tick / 10 + 0.01
-        before = client.calls.count("heartbeat 7")
-        agent.step()
-        if client.calls.count("heartbeat 7") > before:
-            sent_at.append(round(clock.now - 100.0, 1))
+    sent_at = _sent_at(agent, client, clock, range(0, 200))
     # Registered at 0; 0.1: told 8 s, waits 4; 4.1: none told, waits 8; 12.1: told 2 s,
     # waits 1; 13.1: none told, waits 2
     assert sent_at[:5] == [0.1, 4.1, 12.1, 13.1, 15.1]
@@ -281,8 +275,14 @@ def _heartbeats_sent_at(
     agent.step()
     agent.step()  # paced at 10 s from here
     client.heartbeat_failures = list(failures)
+    return _sent_at(agent, client, clock, range(1, 400))
+
+
+def _sent_at(agent: NodeAgent, client: ScriptedClient, clock: Clock, ticks: range) -> list[float]:
+    """Step ``agent`` at each of ``ticks`` (tenths of a second after 100 s); when (seconds
+    after 100) it sent a heartbeat."""
     sent_at = []
-    for tick in range(1, 400):
+    for tick in ticks:
         clock.now = 100.0 + tick / 10 + 0.01
         before = client.calls.count("heartbeat 7")
         agent.step()
