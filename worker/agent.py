@@ -80,10 +80,6 @@ _REMEMBERED_FINISHED = 4096
 _REGISTER_BACKOFF_MAX_S = 10.0
 ALIVE_EVERY_S = 1.0
 _DEFAULT_HEARTBEAT_S = 1.0
-# The least part of a newly told heartbeat interval a node waits before its next heartbeat
-# (``NodeAgent._follow_pace``): during a change of pace a node heartbeats at most twice as
-# often as told, and never less often.
-PACE_SPREAD_LEAST = 0.5
 
 
 class Delivery(Enum):
@@ -453,27 +449,29 @@ class NodeAgent:
 
     def _retry_heartbeat(self, retry_after_s: float = 0.0) -> None:
         """Send the next heartbeat after the base interval, then after twice that, and so
-        on up to the paced one. A node at a long pace that waited a whole interval after
+        on up to the paced one, each wait a random time between half of it and all of it
+        (nodes whose heartbeats failed in one stall of the controller's then do not all
+        try again in the same moment). A node at a long pace that waited a whole interval after
         a failure would have been silent for two; and a reply that was lost may have told
         it a shorter interval than it follows. Not sooner than the controller's
         ``Retry-After`` (``retry_after_s``): an overloaded controller that shed the
         heartbeat recorded the node as heard from, and asks for the pace."""
         self._heartbeats_failed += 1
         retry_s = self._base_heartbeat_s * 2 ** min(self._heartbeats_failed - 1, 16)
-        # Nodes whose heartbeats failed in one stall of the controller's do not all try
-        # again in the same moment.
         retry_s = max(self._spread(retry_s / 2, retry_s), retry_after_s)
         if retry_s < self._heartbeat_s:
             self._next_heartbeat = min(self._next_heartbeat, self._clock() + retry_s)
 
     def _follow_pace(self, interval_s: float | None) -> None:
         """Follow the interval the reply gave: the controller lengthens it as the fleet
-        grows (``service.heartbeats.Pace``). The next heartbeat goes after a random part of
-        it, between ``PACE_SPREAD_LEAST`` of it and all of it, and the ones after it at the
-        interval. Had each node kept its phase (the next after the new interval), nodes
-        told a longer interval at about the same time, as a growing fleet's are, would
-        keep the window of the first interval: a fleet paced from 1 s to 10 s sent all its
-        heartbeats in the same second of every ten."""
+        grows (``service.heartbeats.Pace``). Lengthened, the next heartbeat goes after a
+        random time between the old interval and the new one, and the ones after it at the
+        new one; shortened, after the new one. Had each node kept its phase (the next one
+        new interval after the last), the nodes told a much longer interval at about the
+        same time would have kept the window of the old one: told 10 s instead of 1 s, a
+        fleet would send all its heartbeats within the same second of every ten. No wait is
+        shorter than the old interval, so the fleet never heartbeats faster than the
+        interval it was told before."""
         if interval_s is None or interval_s == self._heartbeat_s:
             return
         logger.info(
@@ -482,8 +480,10 @@ class NodeAgent:
             interval_s,
             self._heartbeat_s,
         )
-        sent = self._next_heartbeat - self._heartbeat_s  # step() set it: sent + old
-        self._next_heartbeat = sent + self._spread(PACE_SPREAD_LEAST * interval_s, interval_s)
+        old_s = self._heartbeat_s
+        sent = self._next_heartbeat - old_s  # step() set it: sent + old
+        wait_s = self._spread(old_s, interval_s) if interval_s > old_s else interval_s
+        self._next_heartbeat = sent + wait_s
         self._heartbeat_s = interval_s
 
     def _waits(self, assignment: Assignment) -> bool:

@@ -25,7 +25,7 @@ from contract.protocol import (
     RunningAttempt,
 )
 from worker import procs
-from worker.agent import PACE_SPREAD_LEAST, NodeAgent
+from worker.agent import NodeAgent
 from worker.client import ControllerClient, ControllerUnavailableError, UnknownNodeError
 from worker.settings import AgentSettings
 
@@ -195,8 +195,10 @@ def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -
     assert client.calls.count("heartbeat 7") == 4
 
 
-def test_a_node_told_a_new_interval_first_waits_a_random_part_of_it(tmp_path: Path) -> None:
-    """Between half of it and all of it, then the whole interval: lengthened or shortened."""
+def test_a_node_told_a_longer_interval_first_waits_between_the_old_and_the_new(
+    tmp_path: Path,
+) -> None:
+    """Then the new interval; told a shorter one, the next goes after the shorter one."""
     asked: list[tuple[float, float]] = []
 
     def least(low: float, high: float) -> float:
@@ -204,7 +206,7 @@ def test_a_node_told_a_new_interval_first_waits_a_random_part_of_it(tmp_path: Pa
         return low
 
     agent, client, clock = _agent(tmp_path, spread=least)
-    told: list[float | None] = [8.0, None, 2.0]
+    told: list[float | None] = [8.0, None, 1.0]
 
     def paced(node_id: int, body: Heartbeat) -> HeartbeatReply:
         client.calls.append(f"heartbeat {node_id}")
@@ -212,21 +214,21 @@ def test_a_node_told_a_new_interval_first_waits_a_random_part_of_it(tmp_path: Pa
 
     client.heartbeat = paced  # type: ignore[method-assign]
     sent_at = _sent_at(agent, client, clock, range(0, 200))
-    # Registered at 0; 0.1: told 8 s, waits 4; 4.1: none told, waits 8; 12.1: told 2 s,
-    # waits 1; 13.1: none told, waits 2
-    assert sent_at[:5] == [0.1, 4.1, 12.1, 13.1, 15.1]
-    assert asked == [(PACE_SPREAD_LEAST * 8.0, 8.0), (PACE_SPREAD_LEAST * 2.0, 2.0)]
+    # Registered at 0 (every 2 s); 0.1: told 8 s, waits between 2 and 8 (here 2); 2.1: none
+    # told, waits 8; 10.1: told 1 s, waits 1; 11.1: none told, waits 1
+    assert sent_at[:5] == [0.1, 2.1, 10.1, 11.1, 12.1]
+    assert asked == [(2.0, 8.0)]
 
 
-def test_a_fleet_paced_longer_as_it_grows_spreads_its_heartbeats(
+def test_a_fleet_told_a_much_longer_interval_spreads_its_heartbeats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Nodes that registered within one second, told an interval that grows from 1 s to
-    10 s over a minute (as ``service.heartbeats.Pace`` tells a growing fleet), then 10 s:
-    their heartbeats come spread over the ten seconds, not all in one of them."""
+    """Nodes that registered within one second at 2 s, told 10 s at once (a controller's
+    pace after many nodes joined, or one restarted): their heartbeats come spread over the
+    ten seconds, not within the two of the old interval."""
     # These agents start no processes: none to reap (a look at /proc at every report tick).
     monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
-    nodes, clock, rng = 40, Clock(), random.Random(7)
+    nodes, clock, rng = 20, Clock(), random.Random(7)
     agents = []
     for i in range(nodes):
         (tmp_path / str(i)).mkdir()
@@ -234,13 +236,12 @@ def test_a_fleet_paced_longer_as_it_grows_spreads_its_heartbeats(
 
         def paced(node_id: int, body: Heartbeat, client: ScriptedClient = client) -> HeartbeatReply:
             client.calls.append(f"heartbeat {node_id} {clock.now:.2f}")
-            grown = min(10.0, 1.0 + 9.0 * (clock.now - 100.0) / 60.0)
-            return HeartbeatReply(heartbeat_interval_s=round(grown, 2))
+            return HeartbeatReply(heartbeat_interval_s=2.0 if clock.now < 110.0 else 10.0)
 
         client.heartbeat = paced  # type: ignore[method-assign]
         agents.append((rng.uniform(0.0, 1.0), agent, client))
-    for tick in range(0, 480):
-        clock.now = 100.0 + tick / 4
+    for tick in range(0, 1200):
+        clock.now = 100.0 + tick / 20
         for registers_at, agent, _ in agents:
             if clock.now - 100.0 >= registers_at:
                 agent.step()
@@ -248,11 +249,11 @@ def test_a_fleet_paced_longer_as_it_grows_spreads_its_heartbeats(
     for _, _, client in agents:
         for call in client.calls:
             at = float(call.rsplit(" ", 1)[1]) if call.startswith("heartbeat") else 0.0
-            if at >= 190.0:  # the last 30 s, at 10 s
+            if at >= 130.0:  # the last 30 s, at 10 s
                 seconds[int(at) % 10] += 1
     assert sum(seconds.values()) == 3 * nodes
-    # Spread evenly, each second would hold 12; all in one window, one would hold 120.
-    assert max(seconds.values()) <= 30, sorted(seconds.items())
+    # Spread evenly, each second would hold 6; kept in the old window, two would hold 60.
+    assert max(seconds.values()) <= 18, sorted(seconds.items())
 
 
 def _heartbeats_sent_at(
@@ -305,10 +306,10 @@ def test_a_failed_heartbeat_is_tried_again_after_a_random_half_to_whole_of_its_w
 ) -> None:
     """Nodes that failed in one stall of the controller's do not all try again at once:
     here each waits the least, half of 2 s, 4 s and 8 s (and the first, after the pace of
-    10 s was told, half of that)."""
+    10 s was told, the old interval, 2 s)."""
     sent_at = _heartbeats_sent_at(tmp_path, [ControllerUnavailableError("down")] * 3, _least)
-    # 5: fails, 6: fails, 8: fails, 12: answered, 22: at the pace
-    assert sent_at[:5] == [5.0, 6.0, 8.0, 12.0, 22.0]
+    # 2: fails, 3: fails, 5: fails, 9: answered, 19: at the pace
+    assert sent_at[:5] == [2.0, 3.0, 5.0, 9.0, 19.0]
 
 
 def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Path) -> None:
