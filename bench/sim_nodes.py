@@ -42,6 +42,7 @@ from contract.protocol import (
     NodeRegistered,
     RunningAttempt,
 )
+from worker.agent import paced_wait
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +142,8 @@ class SimNode:
         self._token = ""
         self._interval_s = 1.0
         self._base_interval_s = 1.0  # registration's
-        # What the next heartbeat waits after this one: the interval, or told a longer one
-        # a random time between the old and the new, as an agent waits
-        # (``worker.agent.NodeAgent._follow_pace``).
+        # What the next heartbeat waits after this one: the interval, or after a change of
+        # it what an agent waits (``worker.agent.paced_wait``).
         self._wait_s = 1.0
         # What each run has to report and when it may next send it (``_report``).
         self._held: dict[RunKey, tuple[list[Any], list[str]]] = {}
@@ -237,10 +237,9 @@ class SimNode:
         told = reply.heartbeat_interval_s
         if told is not None:  # the controller's pace, followed as agents follow it
             self._stats.interval_told_s_max = max(self._stats.interval_told_s_max, told)
-            if told > self._interval_s:
-                self._wait_s = random.uniform(self._interval_s, told)
             if told != self._interval_s:
-                self._interval_s = told
+                self._wait_s = paced_wait(self._interval_s, told)
+            self._interval_s = told
         wanted = {a.attempt_id for a in reply.assignments}
         for attempt_id in [a for a in self._runs if a not in wanted]:
             self._runs[attempt_id][1].cancel()  # no longer assigned: the run stops

@@ -156,6 +156,15 @@ def start_blocker(
     return None
 
 
+def paced_wait(
+    old_s: float, new_s: float, spread: Callable[[float, float], float] = random.uniform
+) -> float:
+    """What a node told ``new_s`` instead of ``old_s`` waits before its next heartbeat
+    (``NodeAgent._follow_pace``): lengthened, a random time between the two (``spread``);
+    shortened, the new interval."""
+    return spread(old_s, new_s) if new_s > old_s else new_s
+
+
 class NodeAgent:
     def __init__(
         self,
@@ -451,9 +460,9 @@ class NodeAgent:
         """Send the next heartbeat after the base interval, then after twice that, and so
         on up to the paced one, each wait a random time between half of it and all of it
         (nodes whose heartbeats failed in one stall of the controller's then do not all
-        try again in the same moment). A node at a long pace that waited a whole interval after
-        a failure would have been silent for two; and a reply that was lost may have told
-        it a shorter interval than it follows. Not sooner than the controller's
+        try again in the same moment). A node at a long pace that waited a whole interval
+        after a failure would have been silent for two; and a reply that was lost may have
+        told it a shorter interval than it follows. Not sooner than the controller's
         ``Retry-After`` (``retry_after_s``): an overloaded controller that shed the
         heartbeat recorded the node as heard from, and asks for the pace."""
         self._heartbeats_failed += 1
@@ -480,10 +489,8 @@ class NodeAgent:
             interval_s,
             self._heartbeat_s,
         )
-        old_s = self._heartbeat_s
-        sent = self._next_heartbeat - old_s  # step() set it: sent + old
-        wait_s = self._spread(old_s, interval_s) if interval_s > old_s else interval_s
-        self._next_heartbeat = sent + wait_s
+        sent = self._next_heartbeat - self._heartbeat_s  # step() set it: sent + old
+        self._next_heartbeat = sent + paced_wait(self._heartbeat_s, interval_s, self._spread)
         self._heartbeat_s = interval_s
 
     def _waits(self, assignment: Assignment) -> bool:

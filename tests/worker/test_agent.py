@@ -320,10 +320,14 @@ def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Pat
         ControllerUnavailableError("shed", 503, retry_after_s=5.0),
         ControllerUnavailableError("shed", 503, retry_after_s=30.0),
     ]
-    for spread in (_longest, _least):
+    # 10: shed, asks 5 s (not the 2 s base); 15: shed, asks 30 s: the pace (10 s) wins. With
+    # the least spread the first goes 2 s after the pace was told, the old interval.
+    for spread, expected in (
+        (_longest, [10.0, 15.0, 25.0, 35.0]),
+        (_least, [2.0, 7.0, 17.0, 27.0]),
+    ):
         sent_at = _heartbeats_sent_at(tmp_path / spread.__name__, list(shed), spread)
-        # 0: shed, asks 5 s (not the 2 s base); 5: shed, asks 30 s: the pace (10 s) wins
-        assert [t - sent_at[0] for t in sent_at[:4]] == [0.0, 5.0, 15.0, 25.0]
+        assert sent_at[:4] == expected, spread.__name__
 
 
 class NewsyAttempt:
