@@ -16,7 +16,7 @@ from contract.tasks import TASKS, task_args
 from service import rendezvous
 from service.errors import StaleState
 from service.job_events import add_event
-from service.models import Attempt, AttemptMember, Job, Node
+from service.models import Attempt, AttemptMember, Job, Node, json_text
 from service.placement import stored_device
 from service.secrets import Keyring, open_env
 from service.settings import ControllerSettings
@@ -58,16 +58,17 @@ def add_member(
     return member
 
 
-def active_holds() -> Select[int, int, str, list[int], int | None]:
+def active_holds(gpus_as_text: bool = False) -> Select[int, int, str, Any, int | None]:
     """Every ACTIVE membership, as what it holds: its node, its attempt, the attempt's
-    device, the GPUs it holds, and the owner of its job. An attempt that SUCCEEDED keeps
-    its members ACTIVE until their launchers report, and until then they hold it."""
+    device, the GPUs it holds (a list, or with ``gpus_as_text`` its JSON text), and the
+    owner of its job. An attempt that SUCCEEDED keeps its members ACTIVE until their
+    launchers report, and until then they hold it."""
     return (
         select(
             AttemptMember.node_id,
             AttemptMember.attempt_id,
             Attempt.device,
-            AttemptMember.gpus,
+            json_text(AttemptMember.gpus) if gpus_as_text else AttemptMember.gpus,
             Job.owner_id,
         )
         .join(Attempt, Attempt.id == AttemptMember.attempt_id)

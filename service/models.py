@@ -21,9 +21,17 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    cast,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    InstrumentedAttribute,
+    Mapped,
+    mapped_column,
+    relationship,
+)
+from sqlalchemy.sql.elements import Label
 from sqlalchemy.types import TypeDecorator
 
 from service.secrets import public_spec
@@ -114,13 +122,36 @@ class IdempotencyKey(Base):
     created_at: Mapped[datetime]
 
 
+def json_text(column: InstrumentedAttribute[Any]) -> Label[str]:
+    """A JSON column read as its text, for a caller that parses each distinct value once
+    rather than every row's (the driver would parse each)."""
+    return cast(column, Text).label(column.key)
+
+
 def parse_stored_spec(stored: dict[str, Any]) -> JobSpec:
     """A job's stored ``spec`` as a ``JobSpec``: the env's names, each value empty."""
     return JobSpec.model_validate(public_spec(stored))
 
 
+def _partial_index(name: str, where: str, *columns: str) -> Index:
+    """An index of only the rows ``where`` holds (a partial index on both databases)."""
+    return Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+
+
+# The queue (PENDING jobs) oldest first: every reconciler pass reads its head, a page at a
+# time, and the jobs in it that do not yet say why they wait (submitted since the last
+# pass). By state alone each such read fetched and sorted, or filtered, the whole queue.
+QUEUE = "state = 'PENDING'"
+UNEXPLAINED = "state = 'PENDING' AND message = ''"
+ACTIVE = "state = 'ACTIVE'"
+
+
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (
+        _partial_index("ix_jobs_queue", QUEUE, "created_at", "id"),
+        _partial_index("ix_jobs_unexplained", UNEXPLAINED, "created_at", "id"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -190,7 +221,12 @@ class AttemptMember(Base):
     """A node's part in an attempt; a node that left and came back gets a new row."""
 
     __tablename__ = "attempt_members"
-    __table_args__ = (Index("ix_attempt_members_attempt_node", "attempt_id", "node_id"),)
+    __table_args__ = (
+        Index("ix_attempt_members_attempt_node", "attempt_id", "node_id"),
+        # The ACTIVE memberships, which every reconciler pass reads (``active_holds``):
+        # a few per node, among every membership there ever was.
+        _partial_index("ix_attempt_members_active", ACTIVE, "id"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))

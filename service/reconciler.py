@@ -10,14 +10,16 @@ decided on stale data is skipped, never half-applied.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from functools import lru_cache
+from typing import NamedTuple, cast
 
 from sqlalchemy import Row, and_, or_, select
 from sqlalchemy.exc import MultipleResultsFound, SQLAlchemyError
@@ -44,7 +46,7 @@ from service.jobs import (
 )
 from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
 from service.metrics import ReconcilerMetrics
-from service.models import Attempt, AttemptMember, Job, Node, parse_stored_spec
+from service.models import Attempt, AttemptMember, Job, Node, json_text, parse_stored_spec
 from service.nodes import mark_lost
 from service.passes import PassSignals
 from service.placement import (
@@ -375,32 +377,41 @@ def load_views(
 
 
 def read_fleet(
-    session: Session, specs: SpecCache, base_interval_s: float | None = None
+    session: Session,
+    specs: SpecCache,
+    base_interval_s: float | None = None,
+    heard_since: datetime | None = None,
 ) -> tuple[list[NodeView], list[JobView]]:
     """The nodes (with their GPUs, what ended attempts' active members still hold on
     them and, given the ``base_interval_s`` of heartbeats, the silence each was allowed
     beyond it) and the open jobs that have been placed (WAITING, RUNNING, RESTARTING:
     no more than the nodes hold or held), each with its owner and its running attempt's
     device and active members (with the GPUs each holds). The PENDING jobs, the queue,
-    are ``read_queue``'s.
+    are ``read_queue``'s. A node last heard from before ``heard_since`` counts as heard
+    from then (``Reconciler``: heartbeats sent while no controller led may be unrecorded).
 
     A fixed number of statements however many jobs are open: nodes, placed jobs,
     their running attempts, every active member (of any attempt), and the specs of
     the jobs ``specs`` lacks (one statement per ``chunked`` run of them), which are
     added to it; the views are put together here. A job with two running attempts is
     an error, as ``running_attempt`` says.
+
+    A pass reads every node and every placed job, so this runs on the session's
+    connection (rows, not ORM results), and reads the JSON lists of GPUs as text, parsed
+    once per distinct value (``_gpu_indices``, ``_held_gpus``): nearly all are alike.
     """
+    db = session.connection()
     node_columns = (
         Node.id,
         Node.state,
         Node.last_heartbeat_at,
         Node.slots,
-        Node.gpus,
+        json_text(Node.gpus),
         Node.heartbeat_interval_s,
     )
-    node_rows = session.execute(select(*node_columns)).all()
+    node_rows = db.execute(select(*node_columns)).all()
     placed = Job.state.in_([s for s in JobState if s.is_placed()])
-    rows = session.execute(select(*_JOB_COLUMNS).where(placed)).all()
+    rows = db.execute(select(*_JOB_COLUMNS).where(placed)).all()
     running = (
         select(Attempt.id, Attempt.job_id, Attempt.device)
         .join(Job, Job.id == Attempt.job_id)
@@ -408,47 +419,56 @@ def read_fleet(
     )
     attempt_of: dict[int, int] = {}
     device_of: dict[int, Device] = {}
-    for running_id, job_id, device in session.execute(running):
+    for running_id, job_id, device in db.execute(running).all():
         if job_id in attempt_of:
             raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
         attempt_of[job_id] = running_id
         device_of[running_id] = stored_device(device)
-    members = active_holds().order_by(AttemptMember.id)
+    members = active_holds(gpus_as_text=True).order_by(AttemptMember.id)
     members_of: dict[int, list[int]] = defaultdict(list)
     gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     ending: dict[int, list[Hold]] = defaultdict(list)
-    for node_id, member_of, device, gpus, held_by in session.execute(members):
+    for node_id, member_of, device, gpus, held_by in db.execute(members).all():
         if member_of in device_of:
             members_of[member_of].append(node_id)
-            gpus_of[member_of].append(tuple(gpus or ()))
+            gpus_of[member_of].append(_held_gpus(gpus))
         else:
             on = stored_device(device)
-            ending[node_id].append(Hold(held_by, on, tuple(gpus or ()) if on == "cuda" else ()))
+            ending[node_id].append(Hold(held_by, on, _held_gpus(gpus) if on == "cuda" else ()))
     nodes = [
         NodeView(
             node_id,
             state,
-            seen,
+            seen if heard_since is None else max(seen, heard_since),
             slots,
-            tuple(sorted(int(g["index"]) for g in gpus or ())),
+            _gpu_indices(gpus),
             tuple(ending.get(node_id, ())),
             _extra_silence(told_s, base_interval_s),
         )
         for node_id, state, seen, slots, gpus, told_s in node_rows
     ]
-    jobs = [
-        replace(
-            job,
-            attempt_id=attempt_id,
-            members=tuple(members_of.get(attempt_id, ())),
-            device=device_of.get(attempt_id, "cpu"),
-            member_gpus=tuple(gpus_of.get(attempt_id, ())),
+    running_of = {
+        job_id: RunningAttempt(
+            attempt_id,
+            device_of[attempt_id],
+            tuple(members_of.get(attempt_id, ())),
+            tuple(gpus_of.get(attempt_id, ())),
         )
-        if (attempt_id := attempt_of.get(job.id)) is not None
-        else job
-        for job in _job_views(session, specs, rows)
-    ]
-    return nodes, jobs
+        for job_id, attempt_id in attempt_of.items()
+    }
+    return nodes, _job_views(session, specs, rows, running_of)
+
+
+@lru_cache(maxsize=4096)
+def _gpu_indices(stored: str | None) -> tuple[int, ...]:
+    """A node's GPUs (``Node.gpus`` as text) as their sorted indices."""
+    return tuple(sorted(int(g["index"]) for g in json.loads(stored or "[]")))
+
+
+@lru_cache(maxsize=4096)
+def _held_gpus(stored: str | None) -> tuple[int, ...]:
+    """The GPUs a membership holds (``AttemptMember.gpus`` as text)."""
+    return tuple(json.loads(stored or "[]"))
 
 
 _JOB_COLUMNS = (
@@ -497,23 +517,57 @@ def read_queue(
     return _job_views(session, specs, session.execute(stmt).all())
 
 
-def _job_views(session: Session, specs: SpecCache, rows: Sequence[JobRow]) -> list[JobView]:
+class RunningAttempt(NamedTuple):
+    """What a placed job's view holds of its running attempt."""
+
+    id: int
+    device: Device
+    members: tuple[int, ...]  # its active members' nodes
+    member_gpus: tuple[tuple[int, ...], ...]  # the GPUs each of them holds
+
+
+def _job_views(
+    session: Session,
+    specs: SpecCache,
+    rows: Sequence[JobRow],
+    running: Mapping[int, RunningAttempt] | None = None,
+) -> list[JobView]:
     """The views of the jobs ``rows`` hold (``_JOB_COLUMNS``), their specs added to
-    ``specs`` where it lacks them; no attempt of theirs is in them."""
+    ``specs`` where it lacks them, each with its running attempt as ``running`` has it
+    by job (none: no attempt)."""
     _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
-    return [
-        JobView(
-            id=job_id,
-            state=state,
-            created_at=created_at,
-            spec=specs[job_id, created_at],
-            waiting_since=waiting_since,
-            not_before=not_before,
-            message=message,
-            owner=owner,
+    running = running or {}
+    views = []
+    for job_id, state, created_at, waiting_since, not_before, message, owner in rows:
+        attempt = running.get(job_id)
+        views.append(
+            JobView(
+                id=job_id,
+                state=state,
+                created_at=created_at,
+                spec=specs[job_id, created_at],
+                waiting_since=waiting_since,
+                not_before=not_before,
+                message=message,
+                owner=owner,
+            )
+            if attempt is None
+            else JobView(
+                id=job_id,
+                state=state,
+                created_at=created_at,
+                spec=specs[job_id, created_at],
+                attempt_id=attempt.id,
+                members=attempt.members,
+                waiting_since=waiting_since,
+                not_before=not_before,
+                message=message,
+                device=attempt.device,
+                member_gpus=attempt.member_gpus,
+                owner=owner,
+            )
         )
-        for job_id, state, created_at, waiting_since, not_before, message, owner in rows
-    ]
+    return views
 
 
 def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, datetime]]) -> None:
@@ -533,6 +587,7 @@ def _keep_specs(specs: SpecCache, jobs: Sequence[JobView]) -> None:
         del specs[gone]
 
 
+@lru_cache(maxsize=1024)
 def _extra_silence(told_s: float | None, base_s: float | None) -> timedelta:
     """The silence a node told ``told_s`` may keep beyond the node timeout
     (``service.heartbeats.allowed_silence``); none without a base interval."""
@@ -701,11 +756,9 @@ class Reconciler:
     ) -> list[Action]:
         phase = _PhaseTimer(self._metrics)
         with transaction(self._factory) as session:
-            nodes, placed = read_fleet(session, self._specs, self._settings.heartbeat_interval_s)
-            nodes = [
-                replace(n, last_heartbeat_at=max(n.last_heartbeat_at, self._leading_since))
-                for n in nodes
-            ]
+            nodes, placed = read_fleet(
+                session, self._specs, self._settings.heartbeat_interval_s, self._leading_since
+            )
             jobs, whole = self._with_queue(session, leadership, now, nodes, placed, node_timeout)
         phase.done("load")
         actions = plan(now, nodes, jobs, node_timeout, self._settings.share_gpu_nodes_across_users)
