@@ -261,11 +261,14 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         controller = psutil.Process(cluster.procs["controller"].pid)
         me = psutil.Process()
         phases = _read_phases(job_ids[0])
-        pool = multiprocessing.get_context("spawn").Pool(options.readers)
+        pool = (
+            multiprocessing.get_context("spawn").Pool(options.readers) if options.readers else None
+        )
         try:
             # The readers are up; meanwhile the nodes waited (this blocks the loop), so the
             # settling counts from here.
-            pool.starmap(time.sleep, [(0,)] * options.readers)
+            if pool is not None:
+                pool.starmap(time.sleep, [(0,)] * options.readers)
             await asyncio.sleep(options.settle_s)
             before = await _scrape(http, metrics_token)
             cpu_before, my_cpu_before = _cpu_split(controller), _cpu(me)
@@ -280,7 +283,9 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             reads, *_ = await asyncio.gather(
                 asyncio.to_thread(
                     _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
-                ),
+                )
+                if pool is not None
+                else _no_reads(),
                 _watch_metrics(http, metrics_token, until[0], latest),
                 _sample_rss(controller, until[0], rss),
                 _sample_running(stats, until[0], running),
@@ -306,7 +311,8 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 # The last scrape that answered; none: nothing of the controller's own.
                 metrics_s, after = (latest[-1][0] - start, latest[-1][1]) if latest else (0, before)
         finally:
-            pool.terminate()
+            if pool is not None:
+                pool.terminate()
     result = _result(
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
@@ -441,6 +447,11 @@ def poll(
             else:
                 errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
     return latencies, not_modified, errors
+
+
+async def _no_reads() -> list[dict[str, Any]]:
+    """What ``_read`` returns with no readers (``--readers 0``)."""
+    return []
 
 
 def _read(
@@ -879,7 +890,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--readers", type=int, default=1, help="polling processes per phase")
+    parser.add_argument(
+        "--readers",
+        type=int,
+        default=1,
+        help="polling processes per phase (0: no reads, the fleet's load alone)",
+    )
     parser.add_argument(
         "--settle-s",
         type=float,

@@ -141,6 +141,8 @@ def _partial_index(name: str, where: str, *columns: str) -> Index:
 # The queue (PENDING jobs) oldest first: every reconciler pass reads its head, a page at a
 # time, and the jobs in it that do not yet say why they wait (submitted since the last
 # pass). By state alone each such read fetched and sorted, or filtered, the whole queue.
+# Each index leads with the columns its read compares, although its rows all hold the same
+# values there: SQLite, lacking statistics, otherwise prefers the index by state.
 QUEUE = "state = 'PENDING'"
 UNEXPLAINED = "state = 'PENDING' AND message = ''"
 ACTIVE = "state = 'ACTIVE'"
@@ -149,8 +151,8 @@ ACTIVE = "state = 'ACTIVE'"
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
-        _partial_index("ix_jobs_queue", QUEUE, "created_at", "id"),
-        _partial_index("ix_jobs_unexplained", UNEXPLAINED, "created_at", "id"),
+        _partial_index("ix_jobs_queue", QUEUE, "state", "created_at", "id"),
+        _partial_index("ix_jobs_unexplained", UNEXPLAINED, "state", "message", "created_at", "id"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
 from contract.events import (
@@ -35,7 +36,7 @@ from contract.events import (
 )
 from contract.protocol import AttemptExit, AttemptReport, StopReason
 from service import auth
-from service.attempts import active_members, drop_member, end_attempt, end_member, find_member
+from service.attempts import active_members, drop_member, end_attempt, end_member
 from service.errors import Fenced
 from service.job_events import (
     add_event,
@@ -63,11 +64,9 @@ def handle_report(
     anyway, rather than in one of its own before it. Whether its events were applied
     (False: only the late exit of an attempt that is over for the node was recorded).
     ``Fenced`` if the node may not report on the attempt."""
-    node = session.get(Node, node_id)
+    node, attempt, member = _reporter(session, node_id, report.attempt_id, report.member_id)
     if node is None or not auth.hashes_to(token, node.token_hash):
         raise NotTheNodesToken
-    attempt = session.get(Attempt, report.attempt_id)
-    member = find_member(session, report.attempt_id, node_id, report.member_id) if attempt else None
     if attempt is None or member is None:
         raise Fenced(f"node {node_id} is not a member of attempt {report.attempt_id}")
     live = attempt.state is AttemptState.RUNNING and member.state is MemberState.ACTIVE
@@ -88,6 +87,31 @@ def handle_report(
     if report.exit is not None:
         _apply_exit(session, job, member, report.exit, now)
     return True
+
+
+def _reporter(
+    session: Session, node_id: int, attempt_id: int, member_id: int | None
+) -> tuple[Node | None, Attempt | None, AttemptMember | None]:
+    """The node, the attempt it reports on, and its membership ``member_id`` of that attempt
+    (None: its newest), each None if there is none, in one statement: a report used to
+    read them in three round trips before it took its job's lock."""
+    membership = and_(AttemptMember.attempt_id == Attempt.id, AttemptMember.node_id == Node.id)
+    if member_id is not None:
+        membership = and_(membership, AttemptMember.id == member_id)
+    stmt = (
+        select(Node, Attempt, AttemptMember)
+        .select_from(Node)
+        .outerjoin(Attempt, Attempt.id == attempt_id)
+        .outerjoin(AttemptMember, membership)
+        .where(Node.id == node_id)
+        .order_by(AttemptMember.id.desc())
+        .limit(1)
+    )
+    row = session.execute(stmt).first()
+    if row is None:
+        return None, None, None
+    node, attempt, member = row
+    return node, attempt, member
 
 
 def _store_logs(

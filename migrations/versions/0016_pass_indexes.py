@@ -40,8 +40,8 @@ def _partial(name: str, table: str, where: str, *columns: str) -> None:
 
 
 def upgrade() -> None:
-    _partial("ix_jobs_queue", "jobs", QUEUE, "created_at", "id")
-    _partial("ix_jobs_unexplained", "jobs", UNEXPLAINED, "created_at", "id")
+    _partial("ix_jobs_queue", "jobs", QUEUE, "state", "created_at", "id")
+    _partial("ix_jobs_unexplained", "jobs", UNEXPLAINED, "state", "message", "created_at", "id")
     _partial("ix_attempt_members_active", "attempt_members", ACTIVE, "id")
 
 

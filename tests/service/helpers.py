@@ -4,7 +4,7 @@ that nodes and users make in most tests."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +13,7 @@ import httpx
 from fastapi.testclient import TestClient
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
 from service import auth
 from service.db import transaction
@@ -156,3 +157,31 @@ def commits(engine: Engine) -> Iterator[list[object]]:
         yield committed
     finally:
         sa_event.remove(engine, "commit", note)
+
+
+def query_plans(session: Session, read: Callable[[Session], Any]) -> list[str]:
+    """The database's plan of each statement ``read`` sends, with the values it sent; on
+    PostgreSQL with sequential scans priced out, so that a plan takes an index wherever
+    one serves (tables this small are otherwise read whole)."""
+    connection = session.connection()
+    sent: list[tuple[str, Any]] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        sent.append((statement, parameters))
+
+    postgresql = connection.dialect.name == "postgresql"
+    if postgresql:
+        connection.exec_driver_sql("SET LOCAL enable_seqscan = off")
+    sa_event.listen(connection, "before_cursor_execute", note)
+    try:
+        read(session)
+    finally:
+        sa_event.remove(connection, "before_cursor_execute", note)
+    assert sent
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    plans = []
+    explain = "EXPLAIN " if postgresql else "EXPLAIN QUERY PLAN "
+    for statement, parameters in sent:
+        cursor.execute(explain + statement, parameters)
+        plans.append("\n".join(str(row) for row in cursor.fetchall()))
+    return plans

@@ -1,0 +1,39 @@
+"""What every reconciler pass reads of the queue and of the memberships is found by the
+partial index made for it (migration 0016), on both databases, rather than by the index
+of every job or membership in that state, or a scan: with 9,000 queued jobs, the read of
+the jobs that do not yet say why they wait filtered all of them on every pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from service.attempts import active_holds
+from service.db import transaction
+from service.reconciler import read_queue
+from tests.service.helpers import Cluster, query_plans
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("read", "index"),
+    [
+        (lambda s: read_queue(s, {}, unexplained=True), "ix_jobs_unexplained"),
+        (lambda s: read_queue(s, {}, limit=256), "ix_jobs_queue"),
+        (lambda s: read_queue(s, {}, after=(T0, 7), limit=256), "ix_jobs_queue"),
+        (lambda s: s.execute(active_holds(gpus_as_text=True)).all(), "ix_attempt_members_active"),
+    ],
+    ids=["new jobs", "queue head", "queue page", "active memberships"],
+)
+def test_a_pass_s_reads_use_their_partial_index(
+    api: Cluster, read: Callable[[Session], Any], index: str
+) -> None:
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with transaction(factory) as session:
+        plans = query_plans(session, read)
+    assert all(index in plan for plan in plans), plans

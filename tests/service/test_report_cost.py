@@ -1,0 +1,51 @@
+"""A report reads its node, its attempt and the node's membership of it in one statement
+before it takes its job's lock; it used to take three round trips, which under load each
+wait for the server and then for the interpreter lock."""
+
+from __future__ import annotations
+
+from service.reconciler import Reconciler
+from tests.service.test_heartbeat_cost import engine_of
+from tests.service.helpers import Cluster, heartbeat, register, report, statements, submit
+
+
+def test_a_report_reads_its_node_attempt_and_membership_in_one_statement(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    node_id = register(api, "a")
+    submit(api, "1")
+    reconciler.run_once()
+    (assignment,) = heartbeat(api, node_id)
+    attempt_id = assignment["attempt_id"]
+
+    with statements(engine_of(api)) as sent:
+        r = report(api, node_id, attempt_id, member_id=assignment["member_id"])
+        assert r.status_code == 200, r.text
+    work = [" ".join(s.split()) for s in sent if not s.startswith("BEGIN")]
+    assert len(work) == 2, work
+    reporter, job = work
+    assert "FROM nodes LEFT OUTER JOIN attempts" in reporter, reporter
+    assert "LEFT OUTER JOIN attempt_members" in reporter, reporter
+    assert job.startswith("SELECT jobs.id"), job
+    if engine_of(api).dialect.name == "postgresql":
+        assert job.endswith("FOR UPDATE"), job
+
+
+def test_a_report_on_another_node_s_membership_is_fenced(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    """The membership is the reporting node's own: naming another node's is refused, and
+    so is an attempt that does not exist."""
+    a, b = register(api, "a"), register(api, "b")
+    submit(api, "2:2")
+    reconciler.run_once()
+    (on_a,) = heartbeat(api, a)
+    (on_b,) = heartbeat(api, b)
+    assert on_a["attempt_id"] == on_b["attempt_id"]
+
+    theirs = report(api, a, on_a["attempt_id"], member_id=on_b["member_id"])
+    assert theirs.status_code == 409, theirs.text
+    nowhere = report(api, a, on_a["attempt_id"] + 100)
+    assert nowhere.status_code == 409, nowhere.text
+    own = report(api, a, on_a["attempt_id"], member_id=on_a["member_id"])
+    assert own.status_code == 200, own.text
