@@ -5,8 +5,8 @@ wait for the server and then for the interpreter lock."""
 from __future__ import annotations
 
 from service.reconciler import Reconciler
-from tests.service.test_heartbeat_cost import engine_of
 from tests.service.helpers import Cluster, heartbeat, register, report, statements, submit
+from tests.service.test_heartbeat_cost import engine_of
 
 
 def test_a_report_reads_its_node_attempt_and_membership_in_one_statement(
