@@ -462,13 +462,13 @@ def read_fleet(
 @lru_cache(maxsize=4096)
 def _gpu_indices(stored: str | None) -> tuple[int, ...]:
     """A node's GPUs (``Node.gpus`` as text) as their sorted indices."""
-    return tuple(sorted(int(g["index"]) for g in json.loads(stored or "[]")))
+    return tuple(sorted(int(g["index"]) for g in json.loads(stored or "[]") or ()))
 
 
 @lru_cache(maxsize=4096)
 def _held_gpus(stored: str | None) -> tuple[int, ...]:
     """The GPUs a membership holds (``AttemptMember.gpus`` as text)."""
-    return tuple(json.loads(stored or "[]"))
+    return tuple(json.loads(stored or "[]") or ())
 
 
 _JOB_COLUMNS = (
@@ -514,7 +514,7 @@ def read_queue(
     stmt = stmt.order_by(Job.created_at, Job.id)
     if limit is not None:
         stmt = stmt.limit(limit)
-    return _job_views(session, specs, session.execute(stmt).all())
+    return _job_views(session, specs, session.connection().execute(stmt).all())
 
 
 class RunningAttempt(NamedTuple):

@@ -79,7 +79,7 @@ def handle_report(
         raise Fenced(f"attempt {attempt.id} is over for node {node.name}; stop it", reason)
     job = get_job(session, attempt.job_id, for_update=True)
     _store_logs(session, job, attempt, node, report)
-    changed = last_membership_change(session, attempt.id) if report.events else None
+    changed = _MembersChanged(session, attempt.id)
     round_ = _Round()
     for event in report.events:
         applied = _Applied(session, job, attempt, node, member, event.time, now, changed, round_)
@@ -160,6 +160,25 @@ class _Round:
         return self.written == self.NONE or (complete and self.written == self.PARTIAL)
 
 
+@dataclass
+class _MembersChanged:
+    """When the attempt's members last changed (``last_membership_change``), looked up once
+    per report and only if one of its events goes on the timeline: most progress reports
+    put none there, and saved the round trip. A report's own membership changes (an exit's)
+    come after its events."""
+
+    session: Session
+    attempt_id: int
+    _at: datetime | None = None
+    _known: bool = False
+
+    def at(self) -> datetime | None:
+        if not self._known:
+            self._at = last_membership_change(self.session, self.attempt_id)
+            self._known = True
+        return self._at
+
+
 @dataclass(frozen=True)
 class _Applied:
     """Where an event is applied: the node's report on a running attempt of ``job``."""
@@ -171,7 +190,7 @@ class _Applied:
     member: AttemptMember  # the node's membership of the attempt
     time: datetime  # when the node saw it
     now: datetime  # when the controller applies it
-    members_changed: datetime | None = None  # the attempt's last membership change
+    members_changed: _MembersChanged | None = None  # the attempt's last membership change
     round_state: _Round = field(default_factory=_Round)  # the node's current rendezvous round
 
     @property
@@ -186,9 +205,10 @@ class _Applied:
         event learned after the change is stamped no earlier than the change, so the
         timeline reads cause before effect in both order and time.
         """
-        if self.members_changed is None:
+        changed = None if self.members_changed is None else self.members_changed.at()
+        if changed is None:
             return self.time
-        return max(self.time, self.members_changed)
+        return max(self.time, changed)
 
     def add_event(self, kind: str, message: str, data: EventData) -> None:
         """Put ``kind`` on the job's timeline with the event's payload, at

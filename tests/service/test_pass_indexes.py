@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from service.attempts import active_holds
 from service.db import transaction
-from service.reconciler import read_queue
+from service.reconciler import _gpu_indices, _held_gpus, read_queue
 from tests.service.helpers import Cluster, query_plans
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -37,3 +37,26 @@ def test_a_pass_s_reads_use_their_partial_index(
     with transaction(factory) as session:
         plans = query_plans(session, read)
     assert all(index in plan for plan in plans), plans
+
+
+@pytest.mark.parametrize(
+    ("stored", "indices"),
+    [
+        (None, ()),
+        ("null", ()),
+        ("[]", ()),
+        ('[{"index": 1, "name": "b"}, {"index": 0, "name": "a"}]', (0, 1)),
+    ],
+)
+def test_a_node_s_gpus_read_as_text_are_their_sorted_indices(
+    stored: str | None, indices: tuple[int, ...]
+) -> None:
+    """A pass reads ``Node.gpus`` as its JSON text; SQL NULL and JSON null are no GPUs."""
+    assert _gpu_indices(stored) == indices
+
+
+@pytest.mark.parametrize(
+    ("stored", "held"), [(None, ()), ("null", ()), ("[]", ()), ("[2, 3]", (2, 3))]
+)
+def test_a_membership_s_gpus_read_as_text(stored: str | None, held: tuple[int, ...]) -> None:
+    assert _held_gpus(stored) == held

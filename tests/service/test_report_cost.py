@@ -1,11 +1,21 @@
 """A report reads its node, its attempt and the node's membership of it in one statement
 before it takes its job's lock; it used to take three round trips, which under load each
-wait for the server and then for the interpreter lock."""
+wait for the server and then for the interpreter lock. A progress report that puts nothing
+on the timeline does not ask when the attempt's members last changed."""
 
 from __future__ import annotations
 
 from service.reconciler import Reconciler
-from tests.service.helpers import Cluster, heartbeat, register, report, statements, submit
+from tests.service.helpers import (
+    Cluster,
+    event,
+    heartbeat,
+    kinds,
+    register,
+    report,
+    statements,
+    submit,
+)
 from tests.service.test_heartbeat_cost import engine_of
 
 
@@ -49,3 +59,35 @@ def test_a_report_on_another_node_s_membership_is_fenced(
     assert nowhere.status_code == 409, nowhere.text
     own = report(api, a, on_a["attempt_id"], member_id=on_a["member_id"])
     assert own.status_code == 200, own.text
+
+
+def test_a_progress_report_reads_the_timeline_only_for_what_it_puts_there(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    node_id = register(api, "a")
+    job_id = submit(api, "1")
+    reconciler.run_once()
+    (assignment,) = heartbeat(api, node_id)
+    attempt_id = assignment["attempt_id"]
+    progress = event("progress", step=10, epoch=0, loss=0.5, samples_per_s=1.0, world_size=1)
+
+    with statements(engine_of(api)) as sent:
+        r = report(api, node_id, attempt_id, events=[progress])
+        assert r.status_code == 200, r.text
+    assert not [s for s in sent if "job_events" in s], sent
+
+    # The first progress of a new worker process goes on the timeline: then it asks.
+    first = event(
+        "progress",
+        step=11,
+        epoch=0,
+        loss=0.5,
+        samples_per_s=1.0,
+        world_size=1,
+        startup={"process_started_at": progress["time"], "first_step_at": progress["time"]},
+    )
+    with statements(engine_of(api)) as sent:
+        r = report(api, node_id, attempt_id, events=[first])
+        assert r.status_code == 200, r.text
+    assert [s for s in sent if "max(job_events.time)" in s], sent
+    assert "first_step" in kinds(api, job_id)
