@@ -5,6 +5,8 @@ on the timeline does not ask when the attempt's members last changed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from service.reconciler import Reconciler
 from tests.service.helpers import (
     Cluster,
@@ -19,13 +21,19 @@ from tests.service.helpers import (
 from tests.service.test_heartbeat_cost import engine_of
 
 
+def at_work(api: Cluster, reconciler: Reconciler) -> tuple[int, int, dict[str, Any]]:
+    """A node told to run a one-node job: the node, the job, and its assignment."""
+    node_id = register(api, "a")
+    job_id = submit(api, "1")
+    reconciler.run_once()
+    (assignment,) = heartbeat(api, node_id)
+    return node_id, job_id, assignment
+
+
 def test_a_report_reads_its_node_attempt_and_membership_in_one_statement(
     api: Cluster, reconciler: Reconciler
 ) -> None:
-    node_id = register(api, "a")
-    submit(api, "1")
-    reconciler.run_once()
-    (assignment,) = heartbeat(api, node_id)
+    node_id, _, assignment = at_work(api, reconciler)
     attempt_id = assignment["attempt_id"]
 
     with statements(engine_of(api)) as sent:
@@ -64,10 +72,7 @@ def test_a_report_on_another_node_s_membership_is_fenced(
 def test_a_progress_report_reads_the_timeline_only_for_what_it_puts_there(
     api: Cluster, reconciler: Reconciler
 ) -> None:
-    node_id = register(api, "a")
-    job_id = submit(api, "1")
-    reconciler.run_once()
-    (assignment,) = heartbeat(api, node_id)
+    node_id, job_id, assignment = at_work(api, reconciler)
     attempt_id = assignment["attempt_id"]
     progress = event("progress", step=10, epoch=0, loss=0.5, samples_per_s=1.0, world_size=1)
 
