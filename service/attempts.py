@@ -16,7 +16,7 @@ from contract.tasks import TASKS, task_args
 from service import rendezvous
 from service.errors import StaleState
 from service.job_events import add_event
-from service.models import Attempt, AttemptMember, Job, Node, json_text
+from service.models import Attempt, AttemptMember, Job, Node, inline, json_text
 from service.placement import stored_device
 from service.secrets import Keyring, open_env
 from service.settings import ControllerSettings
@@ -73,7 +73,7 @@ def active_holds(gpus_as_text: bool = False) -> Select[int, int, str, Any, int |
         )
         .join(Attempt, Attempt.id == AttemptMember.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(AttemptMember.state == MemberState.ACTIVE)
+        .where(AttemptMember.state == inline(MemberState.ACTIVE))  # ix_attempt_members_active
     )
 
 

@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     cast,
+    literal,
     text,
 )
 from sqlalchemy.orm import (
@@ -31,7 +32,7 @@ from sqlalchemy.orm import (
     mapped_column,
     relationship,
 )
-from sqlalchemy.sql.elements import Label
+from sqlalchemy.sql.elements import BindParameter, Label
 from sqlalchemy.types import TypeDecorator
 
 from service.secrets import public_spec
@@ -134,8 +135,16 @@ def parse_stored_spec(stored: dict[str, Any]) -> JobSpec:
 
 
 def _partial_index(name: str, where: str, *columns: str) -> Index:
-    """An index of only the rows ``where`` holds (a partial index on both databases)."""
+    """An index of only the rows ``where`` holds (a partial index on both databases). A
+    read it serves compares with ``inline`` values: a value sent beside the statement
+    does not show the planner that the read wants only those rows (PostgreSQL's generic
+    plan of a prepared statement; SQLite's plans)."""
     return Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+
+
+def inline(value: str) -> BindParameter[str]:
+    """``value`` written into the statement as it is executed (``_partial_index``)."""
+    return literal(str(value), String, literal_execute=True)
 
 
 # The queue (PENDING jobs) oldest first: every reconciler pass reads its head, a page at a

@@ -46,7 +46,15 @@ from service.jobs import (
 )
 from service.leader import Leadership, LeaseLost, acquire, extend, hold, release
 from service.metrics import ReconcilerMetrics
-from service.models import Attempt, AttemptMember, Job, Node, json_text, parse_stored_spec
+from service.models import (
+    Attempt,
+    AttemptMember,
+    Job,
+    Node,
+    inline,
+    json_text,
+    parse_stored_spec,
+)
 from service.nodes import mark_lost
 from service.passes import PassSignals
 from service.placement import (
@@ -397,8 +405,11 @@ def read_fleet(
     an error, as ``running_attempt`` says.
 
     A pass reads every node and every placed job, so this runs on the session's
-    connection (rows, not ORM results), and reads the JSON lists of GPUs as text, parsed
-    once per distinct value (``_gpu_indices``, ``_held_gpus``): nearly all are alike.
+    connection (rows, not ORM results), and reads the JSON lists of GPUs as text, each
+    distinct text parsed once and kept (``_gpu_indices``, ``_held_gpus``): a node without
+    GPUs says ``[]``, a node's list (its GPUs' UUIDs included) changes only when it
+    registers, and memberships hold a few lists of indices. A fleet of more GPU nodes than
+    the 4,096 texts kept has the rest parsed on every pass, as before.
     """
     db = session.connection()
     node_columns = (
@@ -503,9 +514,9 @@ def read_queue(
     """The PENDING jobs (never placed: no attempt), oldest first: all of them, or the
     ``limit`` first after ``after``, or (``unexplained``) those that do not yet say why
     they wait (submitted since the last pass). Their specs are added to ``specs``."""
-    stmt = select(*_JOB_COLUMNS).where(Job.state == JobState.PENDING)
+    stmt = select(*_JOB_COLUMNS).where(Job.state == inline(JobState.PENDING))  # ix_jobs_queue
     if unexplained:
-        stmt = stmt.where(Job.message == "")
+        stmt = stmt.where(Job.message == inline(""))  # ix_jobs_unexplained
     if after is not None:
         created_at, job_id = after
         stmt = stmt.where(
