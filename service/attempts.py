@@ -84,21 +84,6 @@ def active_members(session: Session, attempt_id: int) -> list[AttemptMember]:
     return list(session.scalars(stmt))
 
 
-def find_member(
-    session: Session, attempt_id: int, node_id: int, member_id: int | None = None
-) -> AttemptMember | None:
-    """The node's membership ``member_id`` of the attempt, or its newest one if None."""
-    stmt = (
-        select(AttemptMember)
-        .where(AttemptMember.attempt_id == attempt_id, AttemptMember.node_id == node_id)
-        .order_by(AttemptMember.id.desc())
-        .limit(1)
-    )
-    if member_id is not None:
-        stmt = stmt.where(AttemptMember.id == member_id)
-    return session.scalars(stmt).first()
-
-
 def end_member(
     session: Session,
     member: AttemptMember,

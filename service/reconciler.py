@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Row, and_, or_, select
+from sqlalchemy import Row, Select, and_, or_, select
 from sqlalchemy.exc import MultipleResultsFound, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -435,7 +435,7 @@ def read_fleet(
             raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
         attempt_of[job_id] = running_id
         device_of[running_id] = stored_device(device)
-    members = active_holds(gpus_as_text=True).order_by(AttemptMember.id)
+    members = held_now()
     members_of: dict[int, list[int]] = defaultdict(list)
     gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     ending: dict[int, list[Hold]] = defaultdict(list)
@@ -468,6 +468,12 @@ def read_fleet(
         for job_id, attempt_id in attempt_of.items()
     }
     return nodes, _job_views(session, specs, rows, running_of)
+
+
+def held_now() -> Select[int, int, str, Any, int | None]:
+    """What every ACTIVE membership holds (``active_holds``) as ``read_fleet`` reads it:
+    the GPUs as text, in the order the memberships were made."""
+    return active_holds(gpus_as_text=True).order_by(AttemptMember.id)
 
 
 @lru_cache(maxsize=4096)
@@ -531,10 +537,14 @@ def read_queue(
 class RunningAttempt(NamedTuple):
     """What a placed job's view holds of its running attempt."""
 
-    id: int
+    id: int | None
     device: Device
     members: tuple[int, ...]  # its active members' nodes
     member_gpus: tuple[tuple[int, ...], ...]  # the GPUs each of them holds
+
+
+# A job's view without an attempt holds JobView's defaults.
+NO_ATTEMPT = RunningAttempt(None, "cpu", (), ())
 
 
 def _job_views(
@@ -550,20 +560,9 @@ def _job_views(
     running = running or {}
     views = []
     for job_id, state, created_at, waiting_since, not_before, message, owner in rows:
-        attempt = running.get(job_id)
+        attempt = running.get(job_id, NO_ATTEMPT)
         views.append(
             JobView(
-                id=job_id,
-                state=state,
-                created_at=created_at,
-                spec=specs[job_id, created_at],
-                waiting_since=waiting_since,
-                not_before=not_before,
-                message=message,
-                owner=owner,
-            )
-            if attempt is None
-            else JobView(
                 id=job_id,
                 state=state,
                 created_at=created_at,

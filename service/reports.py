@@ -169,14 +169,10 @@ class _MembersChanged:
 
     session: Session
     attempt_id: int
-    _at: datetime | None = None
-    _known: bool = False
 
+    @functools.cached_property
     def at(self) -> datetime | None:
-        if not self._known:
-            self._at = last_membership_change(self.session, self.attempt_id)
-            self._known = True
-        return self._at
+        return last_membership_change(self.session, self.attempt_id)
 
 
 @dataclass(frozen=True)
@@ -205,7 +201,7 @@ class _Applied:
         event learned after the change is stamped no earlier than the change, so the
         timeline reads cause before effect in both order and time.
         """
-        changed = None if self.members_changed is None else self.members_changed.at()
+        changed = None if self.members_changed is None else self.members_changed.at
         if changed is None:
             return self.time
         return max(self.time, changed)

@@ -10,21 +10,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import Select
 from sqlalchemy.orm import Session
 
-from service.attempts import active_holds
 from service.db import transaction
-from service.models import AttemptMember
-from service.reconciler import _gpu_indices, _held_gpus, read_queue
+from service.reconciler import _gpu_indices, _held_gpus, held_now, read_queue
 from tests.service.helpers import Cluster, query_plans
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-def _pass_s_holds() -> Select[Any]:
-    """The active memberships as ``read_fleet`` reads them."""
-    return active_holds(gpus_as_text=True).order_by(AttemptMember.id)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +25,7 @@ def _pass_s_holds() -> Select[Any]:
         (lambda s: read_queue(s, {}, unexplained=True), "ix_jobs_unexplained"),
         (lambda s: read_queue(s, {}, limit=256), "ix_jobs_queue"),
         (lambda s: read_queue(s, {}, after=(T0, 7), limit=256), "ix_jobs_queue"),
-        (lambda s: s.execute(_pass_s_holds()).all(), "ix_attempt_members_active"),
+        (lambda s: s.execute(held_now()).all(), "ix_attempt_members_active"),
     ],
     ids=["new jobs", "queue head", "queue page", "active memberships"],
 )
