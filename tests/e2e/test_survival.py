@@ -128,7 +128,10 @@ def test_an_agent_stopped_with_sigterm_has_left_and_is_not_lost(
     cluster.stop("bye-b")  # SIGTERM, and wait for the agent to exit
     assert {n["name"]: n["state"] for n in client.nodes()}["bye-b"] == "LEFT"
     members = client.job(job_id)["attempts"][0]["members"]
-    assert [m["state"] for m in members if m["node_name"] == "bye-b"] == ["LEFT"]
+    # On a loaded machine the node may have dropped out and rejoined before the stop, so
+    # it can hold more than one membership: every one has ended as LEFT.
+    states = [m["state"] for m in members if m["node_name"] == "bye-b"]
+    assert states and set(states) == {"LEFT"}, members
     wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
     client.cancel(job_id)
     wait_no_processes(cluster, job_id)
