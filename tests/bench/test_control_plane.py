@@ -3,12 +3,23 @@ nodes, a few jobs, a few seconds."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from bench.control_plane import BASELINES, Options, histogram_quantile, run, share_within
+from bench.control_plane import (
+    BASELINES,
+    Options,
+    histogram_quantile,
+    poll,
+    run,
+    share_within,
+)
 from bench.sim_nodes import Training
 
 
@@ -72,3 +83,44 @@ def test_every_baseline_changes_fields_the_options_have() -> None:
         changed = replace(Options(), **changes)  # a field Options lacks raises TypeError
         assert all(getattr(changed, k) == v for k, v in changes.items()), flag
         assert any(getattr(Options(), k) != v for k, v in changes.items()), flag
+
+
+class _Answers(BaseHTTPRequestHandler):
+    """200 with an ETag, or 304 when the request names it."""
+
+    def do_GET(self) -> None:  # the name http.server calls
+        if self.headers.get("if-none-match") == '"v1"':
+            self.send_response(304)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("etag", '"v1"')
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def answering() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_reader_that_starts_after_its_phase_still_sends_one_request(answering: str) -> None:
+    latencies, not_modified, errors = poll(answering, "t", "/jobs", True, time.time() - 1.0)
+    assert len(latencies) == 1 and not_modified == 0 and errors == {}
+
+
+def test_a_conditional_reader_sends_back_the_etag_it_was_given(answering: str) -> None:
+    latencies, not_modified, errors = poll(answering, "t", "/jobs", True, time.time() + 0.3)
+    assert len(latencies) >= 2 and errors == {}
+    assert not_modified == len(latencies) - 1  # only the first read is answered in full
