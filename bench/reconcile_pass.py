@@ -10,7 +10,9 @@ interleaved; then a pass after each of ``--passes`` jobs finished (one node free
 placed), both ways. Last, ``--reps`` times each way in turn, ``--free`` jobs finish and one
 pass places as many: its placements applied in batches (``PLACE_BATCH``, as now) or one
 per transaction (``place_batch = 1``, as before). No other load: this is what a pass costs
-the controller, not what it costs on a busy one (``bench.control_plane``).
+the controller, not what it costs on a busy one (``bench.control_plane``). Python's garbage
+collector runs as in the reconciler's process: what the start made frozen, the youngest
+objects scanned at ``RELAUNCH_GC_YOUNG_THRESHOLD``.
 
     python -m bench.reconcile_pass --nodes 1000 --jobs 10000 --db postgresql
 """
@@ -18,6 +20,7 @@ the controller, not what it costs on a busy one (``bench.control_plane``).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -39,6 +42,7 @@ from bench.status_load import quantile
 from service.api.app import create_app
 from service.auth import create_user
 from service.db import transaction
+from service.gc_pauses import collect_young_after, freeze_what_started
 from service.models import Attempt, Job, Role
 from service.reconciler import PLACE_BATCH, PlaceJob, Reconciler
 from service.secrets import load_keyring, seal_spec
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
             factory = app.state.session_factory
             rows = _seed(api, settings, factory, args.nodes, args.jobs)
             reconciler = Reconciler(factory, settings, clock)
+            # The collector as the reconciler's process sets it at its start.
+            if settings.gc_freeze:
+                freeze_what_started()
+            thresholds = collect_young_after(settings.gc_young_threshold)
             first, _ = timed(reconciler)  # the first of a term: whole, places
             head: list[float] = []
             whole: list[float] = []
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                 ms, actions = timed(reconciler)
                 assert [type(a) for a in actions] == [PlaceJob] * args.free, len(actions)
                 many.append(ms)
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
     table = Table(title=f"one reconciler pass: {args.nodes} nodes, {rows} queued jobs, {args.db}")
     for column in ("pass", "reads of the queue", "p50 ms", "p99 ms", "passes"):
         table.add_column(column)
