@@ -78,6 +78,8 @@ AGENT_TIMEOUT_S = 5.0
 # This Python's own first garbage-collection threshold (700 in 3.11), as this process,
 # which has not changed it, reads it: the controller runs on the same interpreter.
 PYTHON_GC_YOUNG_THRESHOLD = gc.get_threshold()[0]
+# The most reads one reader at a fixed rate has under way at once.
+READER_CONNECTIONS_MAX = 64
 # The API threads that several API processes share out (the controller's default for one).
 API_THREADS_SHARED = 40
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
@@ -103,6 +105,9 @@ class Options:
     db: str = "sqlite"
     seconds: float = 30.0
     readers: int = 1
+    # Each reader's reads a second, sent on a fixed schedule (an open loop); None: back to
+    # back, each read sent when the last is answered.
+    read_rate: float | None = None
     training: Training = field(default_factory=Training)
     pg_admin_url: str = PG_ADMIN_URL
     work_dir: Path | None = None  # kept, with the controller's log; default: a temporary one
@@ -420,39 +425,95 @@ def _read_phases(job_id: int) -> list[ReadPhase]:
     ]
 
 
+class _Reads:
+    """What one reader saw: latencies (ms) of answered requests, how many were 304, what
+    went wrong (a status other than 200 and 304, or an exception) by kind, and the last
+    ETag."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.not_modified = 0
+        self.errors: dict[str, int] = {}
+        self.etag: str | None = None
+
+    def headers(self, token: str, conditional: bool) -> dict[str, str]:
+        sent = {"authorization": f"Bearer {token}"}
+        if conditional and self.etag:
+            sent["if-none-match"] = self.etag
+        return sent
+
+    def failed(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def answered(self, response: httpx.Response, since: float) -> None:
+        self.latencies.append((time.perf_counter() - since) * 1000)
+        if response.status_code == 304:
+            self.not_modified += 1
+        elif response.status_code == 200:
+            self.etag = response.headers.get("etag")
+        else:
+            self.failed(str(response.status_code))
+
+    def result(self) -> tuple[list[float], int, dict[str, int]]:
+        return self.latencies, self.not_modified, self.errors
+
+
 def poll(
-    url: str, token: str, path: str, conditional: bool, until: float
+    url: str, token: str, path: str, conditional: bool, until: float, rate: float | None = None
 ) -> tuple[list[float], int, dict[str, int]]:
-    """One reader: GET ``path`` back to back until ``until`` (``time.time``), sending back
-    the last ETag if ``conditional``; its latencies (ms) of answered requests, the count of
-    304s, and what went wrong (a status other than 200 and 304, or an exception), by kind.
+    """One reader: GET ``path`` until ``until`` (``time.time``), sending back the last ETag
+    if ``conditional``; its latencies (ms) of answered requests, the count of 304s, and what
+    went wrong (a status other than 200 and 304, or an exception), by kind.
+
+    With no ``rate``, back to back: the next read leaves when the last is answered, so a
+    slower controller is sent fewer (a closed loop). With a ``rate``, at fixed times
+    ``1 / rate`` s apart whether or not the reads before were answered (an open loop), and
+    a latency counts from when its read was due, so a read that waited for a connection
+    counts its wait.
 
     It sends at least one request, even when it starts after ``until``: a phase that a slow
     previous one overran still measures what a read costs then."""
-    latencies: list[float] = []
-    not_modified = 0
-    errors: dict[str, int] = {}
-    etag: str | None = None
-    headers = {"authorization": f"Bearer {token}"}
+    if rate is not None:
+        return asyncio.run(_poll_at(url, token, path, conditional, until, rate))
+    reads = _Reads()
     with httpx.Client(base_url=url, timeout=30.0) as http:
         first = True
         while first or time.time() < until:
             first = False
-            sent = {**headers, "if-none-match": etag} if conditional and etag else headers
             start = time.perf_counter()
             try:
-                response = http.get(path, headers=sent)
+                response = http.get(path, headers=reads.headers(token, conditional))
             except httpx.HTTPError as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                reads.failed(type(exc).__name__)
                 continue
-            latencies.append((time.perf_counter() - start) * 1000)
-            if response.status_code == 304:
-                not_modified += 1
-            elif response.status_code == 200:
-                etag = response.headers.get("etag")
-            else:
-                errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
-    return latencies, not_modified, errors
+            reads.answered(response, start)
+    return reads.result()
+
+
+async def _poll_at(
+    url: str, token: str, path: str, conditional: bool, until: float, rate: float
+) -> tuple[list[float], int, dict[str, int]]:
+    reads = _Reads()
+    count = max(1, math.ceil((until - time.time()) * rate))
+    limits = httpx.Limits(max_connections=READER_CONNECTIONS_MAX)
+    async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
+
+        async def read(due: float) -> None:
+            try:
+                response = await http.get(path, headers=reads.headers(token, conditional))
+            except httpx.HTTPError as exc:
+                reads.failed(type(exc).__name__)
+                return
+            reads.answered(response, due)
+
+        sent: list[asyncio.Task[None]] = []
+        start = time.perf_counter()
+        for number in range(count):
+            due = start + number / rate
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            sent.append(asyncio.create_task(read(due)))
+        await asyncio.gather(*sent)
+    return reads.result()
 
 
 def _reader_ready() -> None:
@@ -473,7 +534,8 @@ def _read(
     for number, phase in enumerate(phases):
         until = start + (number + 1) * length
         began = time.time()
-        args = [(url, token, phase.path, phase.conditional, until)] * options.readers
+        args = [(url, token, phase.path, phase.conditional, until, options.read_rate)]
+        args *= options.readers
         latencies: list[float] = []
         not_modified = 0
         errors: dict[str, int] = {}
@@ -488,6 +550,9 @@ def _read(
                 "phase": phase.name,
                 "requests": len(latencies),
                 "per_s": len(latencies) / seconds,
+                "offered_per_s": (
+                    None if options.read_rate is None else options.read_rate * options.readers
+                ),
                 "p50_ms": quantile(latencies, 0.5),
                 "p99_ms": quantile(latencies, 0.99),
                 "not_modified_share": not_modified / len(latencies) if latencies else 0.0,
@@ -814,7 +879,9 @@ def print_table(result: dict[str, Any]) -> None:
             read["phase"],
             f"{read['p50_ms']:.1f}",
             f"{read['p99_ms']:.1f}",
-            f"{read['per_s']:.0f} reads/s, {100 * read['not_modified_share']:.0f} % 304"
+            f"{read['per_s']:.0f} reads/s"
+            + (f" of {read['offered_per_s']:.0f}/s sent" if read.get("offered_per_s") else "")
+            + f", {100 * read['not_modified_share']:.0f} % 304"
             + (f"; errors {read['errors']}" if read["errors"] else ""),
         )
     console.print(table)
@@ -907,6 +974,13 @@ def main(argv: list[str] | None = None) -> None:
         help="polling processes per phase (0: no reads, the fleet's load alone)",
     )
     parser.add_argument(
+        "--read-rate",
+        type=float,
+        help="each reader's reads a second, sent on a fixed schedule whether or not the "
+        "reads before were answered; a read's time counts from when it was due (default: "
+        "back to back, each read sent when the last is answered)",
+    )
+    parser.add_argument(
         "--settle-s",
         type=float,
         default=30.0,
@@ -952,6 +1026,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="first run the same load with Python's own threshold for collecting the "
         f"youngest objects ({PYTHON_GC_YOUNG_THRESHOLD})",
+    )
+    parser.add_argument(
+        "--baseline-same",
+        action="store_true",
+        help="first run the same load with nothing changed: how far two runs of the same "
+        "code and settings differ (the bench's spread)",
     )
     parser.add_argument(
         "--baseline-every-round-trip",
@@ -1010,6 +1090,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds=args.seconds,
         settle_s=args.settle_s,
         readers=args.readers,
+        read_rate=args.read_rate,
         training=Training(steps=args.steps, step_s=args.step_s),
         pg_admin_url=args.pg_admin_url,
         work_dir=args.work_dir,
@@ -1151,6 +1232,11 @@ def _same_load(title: str) -> Callable[[dict[str, dict[str, Any]]], None]:
 BASELINES: dict[
     str, tuple[dict[str, Any], tuple[str, str], Callable[[dict[str, dict[str, Any]]], None]]
 ] = {
+    "baseline_same": (
+        {},
+        ("first run", "second run"),
+        _same_load("nothing changed, the same code and settings twice"),
+    ),
     "baseline_no_registration_key": (
         {"registration_key": False},
         ("no registration key", "registration key"),

@@ -82,13 +82,29 @@ def test_every_baseline_changes_fields_the_options_have() -> None:
         assert flag.startswith("baseline_") and len(set(names)) == 2
         changed = replace(Options(), **changes)  # a field Options lacks raises TypeError
         assert all(getattr(changed, k) == v for k, v in changes.items()), flag
+        if flag == "baseline_same":  # the one that changes nothing, on purpose
+            assert changes == {}
+            continue
         assert any(getattr(Options(), k) != v for k, v in changes.items()), flag
 
 
 class _Answers(BaseHTTPRequestHandler):
-    """200 with an ETag, or 304 when the request names it."""
+    """200 with an ETag, or 304 when the request names it, after ``delay_s``; counts the
+    requests under way at once."""
+
+    delay_s = 0.0
+    lock = threading.Lock()
+    under_way = 0
+    most_under_way = 0
 
     def do_GET(self) -> None:  # the name http.server calls
+        cls = type(self)
+        with cls.lock:
+            cls.under_way += 1
+            cls.most_under_way = max(cls.most_under_way, cls.under_way)
+        time.sleep(cls.delay_s)
+        with cls.lock:
+            cls.under_way -= 1
         if self.headers.get("if-none-match") == '"v1"':
             self.send_response(304)
             self.end_headers()
@@ -105,6 +121,7 @@ class _Answers(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def answering() -> Iterator[str]:
+    _Answers.delay_s, _Answers.under_way, _Answers.most_under_way = 0.0, 0, 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -124,3 +141,20 @@ def test_a_conditional_reader_sends_back_the_etag_it_was_given(answering: str) -
     latencies, not_modified, errors = poll(answering, "t", "/jobs", True, time.time() + 0.3)
     assert len(latencies) >= 2 and errors == {}
     assert not_modified == len(latencies) - 1  # only the first read is answered in full
+
+
+def test_a_reader_at_a_fixed_rate_does_not_wait_for_answers_and_counts_from_when_due(
+    answering: str,
+) -> None:
+    _Answers.delay_s = 0.3
+    latencies, _, errors = poll(answering, "t", "/jobs", False, time.time() + 0.5, rate=20)
+    assert errors == {} and len(latencies) == 10  # 0.5 s at 20 a second
+    assert _Answers.most_under_way > 1  # sent while earlier ones were still answered
+    assert min(latencies) >= 300
+
+
+def test_a_reader_back_to_back_has_one_read_under_way(answering: str) -> None:
+    _Answers.delay_s = 0.05
+    latencies, _, errors = poll(answering, "t", "/jobs", False, time.time() + 0.3)
+    assert errors == {} and len(latencies) >= 2
+    assert _Answers.most_under_way == 1
