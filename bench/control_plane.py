@@ -270,9 +270,10 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             multiprocessing.get_context("spawn").Pool(options.readers) if options.readers else None
         )
         try:
-            # The readers are up and have imported this module (what ``poll`` needs);
-            # meanwhile the nodes waited (this blocks the loop), so the settling counts from
-            # here.
+            # The readers are up, and a reader that ran ``_reader_ready`` has imported this
+            # module (what ``poll`` needs; with one reader, the default, that is every
+            # reader); meanwhile the nodes waited (this blocks the loop), so the settling
+            # counts from here.
             if pool is not None:
                 pool.starmap(_reader_ready, [()] * options.readers)
             await asyncio.sleep(options.settle_s)
@@ -459,22 +460,32 @@ class _Reads:
 
 
 def poll(
-    url: str, token: str, path: str, conditional: bool, until: float, rate: float | None = None
+    url: str,
+    token: str,
+    path: str,
+    conditional: bool,
+    until: float,
+    rate: float | None = None,
+    since: float | None = None,
 ) -> tuple[list[float], int, dict[str, int]]:
     """One reader: GET ``path`` until ``until`` (``time.time``), sending back the last ETag
     if ``conditional``; its latencies (ms) of answered requests, the count of 304s, and what
     went wrong (a status other than 200 and 304, or an exception), by kind.
 
     With no ``rate``, back to back: the next read leaves when the last is answered, so a
-    slower controller is sent fewer (a closed loop). With a ``rate``, at fixed times
-    ``1 / rate`` s apart whether or not the reads before were answered (an open loop), and
-    a latency counts from when its read was due, so a read that waited for a connection
-    counts its wait.
+    slower controller is sent fewer (a closed loop). With a ``rate``, one read due every
+    ``1 / rate`` s from ``since`` (``time.time``; default: now) until ``until``, each sent
+    when due whether or not the reads before were answered (an open loop), or at once if
+    it is already late (the phase before overran); a latency counts from when its read was
+    due, so the wait of a late read, or of one for one of the reader's
+    ``READER_CONNECTIONS_MAX`` connections, counts. Reads sent before the first full answer
+    came back carry no ETag, so an open loop's share of 304s is a little lower.
 
     It sends at least one request, even when it starts after ``until``: a phase that a slow
     previous one overran still measures what a read costs then."""
     if rate is not None:
-        return asyncio.run(_poll_at(url, token, path, conditional, until, rate))
+        begun = time.time() if since is None else since
+        return asyncio.run(_poll_at(url, token, path, conditional, (begun, until), rate))
     reads = _Reads()
     with httpx.Client(base_url=url, timeout=30.0) as http:
         first = True
@@ -491,10 +502,11 @@ def poll(
 
 
 async def _poll_at(
-    url: str, token: str, path: str, conditional: bool, until: float, rate: float
+    url: str, token: str, path: str, conditional: bool, window: tuple[float, float], rate: float
 ) -> tuple[list[float], int, dict[str, int]]:
     reads = _Reads()
-    count = max(1, math.ceil((until - time.time()) * rate))
+    since, until = window
+    count = max(1, math.ceil((until - since) * rate))
     limits = httpx.Limits(max_connections=READER_CONNECTIONS_MAX)
     async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
 
@@ -507,7 +519,7 @@ async def _poll_at(
             reads.answered(response, due)
 
         sent: list[asyncio.Task[None]] = []
-        start = time.perf_counter()
+        start = time.perf_counter() - (time.time() - since)  # ``since`` on this clock
         for number in range(count):
             due = start + number / rate
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
@@ -534,7 +546,8 @@ def _read(
     for number, phase in enumerate(phases):
         until = start + (number + 1) * length
         began = time.time()
-        args = [(url, token, phase.path, phase.conditional, until, options.read_rate)]
+        due = start + number * length
+        args = [(url, token, phase.path, phase.conditional, until, options.read_rate, due)]
         args *= options.readers
         latencies: list[float] = []
         not_modified = 0
@@ -977,8 +990,9 @@ def main(argv: list[str] | None = None) -> None:
         "--read-rate",
         type=float,
         help="each reader's reads a second, sent on a fixed schedule whether or not the "
-        "reads before were answered; a read's time counts from when it was due (default: "
-        "back to back, each read sent when the last is answered)",
+        "reads before were answered, at most "
+        f"{READER_CONNECTIONS_MAX} under way; a read's time counts from when it was due "
+        "(default: back to back, each read sent when the last is answered)",
     )
     parser.add_argument(
         "--settle-s",

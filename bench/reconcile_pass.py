@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -107,37 +108,15 @@ def main(argv: list[str] | None = None) -> None:
             if settings.gc_freeze:
                 freeze_what_started()
             thresholds = collect_young_after(settings.gc_young_threshold)
-            first, _ = timed(reconciler)  # the first of a term: whole, places
-            head: list[float] = []
-            whole: list[float] = []
-            for _ in range(args.passes):
-                head.append(timed(reconciler)[0])
-                reconciler._whole_read = None  # the next pass reads the queue whole
-                whole.append(timed(reconciler)[0])
-            placing_head: list[float] = []
-            placing_whole: list[float] = []
-            running = _running(factory)
-            for i in range(args.passes):
-                placing = placing_head if i % 2 == 0 else placing_whole
-                _finish(factory, running.pop())
-                if placing is placing_whole:
-                    reconciler._whole_read = None
-                ms, actions = timed(reconciler)
-                assert [type(a) for a in actions] == [PlaceJob], actions
-                placing.append(ms)
-            batched: list[float] = []
-            one_by_one: list[float] = []
-            for i in range(2 * args.reps):
-                many = batched if i % 2 == 0 else one_by_one
-                reconciler.place_batch = PLACE_BATCH if many is batched else 1
-                running = _running(factory)
-                for attempt_id in running[: args.free]:
-                    _finish(factory, attempt_id)
-                ms, actions = timed(reconciler)
-                assert [type(a) for a in actions] == [PlaceJob] * args.free, len(actions)
-                many.append(ms)
-            gc.set_threshold(*thresholds)
-            gc.unfreeze()
+            try:
+                timings = _time_passes(reconciler, factory, args)
+            finally:
+                gc.set_threshold(*thresholds)
+                if settings.gc_freeze:
+                    gc.unfreeze()
+    first, head, whole = timings.first, timings.head, timings.whole
+    placing_head, placing_whole = timings.placing_head, timings.placing_whole
+    batched, one_by_one = timings.batched, timings.one_by_one
     table = Table(title=f"one reconciler pass: {args.nodes} nodes, {rows} queued jobs, {args.db}")
     for column in ("pass", "reads of the queue", "p50 ms", "p99 ms", "passes"):
         table.add_column(column)
@@ -175,6 +154,46 @@ def main(argv: list[str] | None = None) -> None:
     console.print(
         f"with nothing to do, a whole read's pass takes {ratio:.1f}x a head read's (medians)"
     )
+
+
+@dataclass
+class Timings:
+    """Each kind of pass's times (ms)."""
+
+    first: float = 0.0  # the first of a term: reads the queue whole, places
+    head: list[float] = field(default_factory=list)  # nothing to do
+    whole: list[float] = field(default_factory=list)  # nothing to do, the queue read whole
+    placing_head: list[float] = field(default_factory=list)  # one job finished
+    placing_whole: list[float] = field(default_factory=list)
+    batched: list[float] = field(default_factory=list)  # ``--free`` jobs finished
+    one_by_one: list[float] = field(default_factory=list)
+
+
+def _time_passes(reconciler: Reconciler, factory: object, args: argparse.Namespace) -> Timings:
+    t = Timings(first=timed(reconciler)[0])
+    for _ in range(args.passes):
+        t.head.append(timed(reconciler)[0])
+        reconciler._whole_read = None  # the next pass reads the queue whole
+        t.whole.append(timed(reconciler)[0])
+    running = _running(factory)
+    for i in range(args.passes):
+        placing = t.placing_head if i % 2 == 0 else t.placing_whole
+        _finish(factory, running.pop())
+        if placing is t.placing_whole:
+            reconciler._whole_read = None
+        ms, actions = timed(reconciler)
+        assert [type(a) for a in actions] == [PlaceJob], actions
+        placing.append(ms)
+    for i in range(2 * args.reps):
+        many = t.batched if i % 2 == 0 else t.one_by_one
+        reconciler.place_batch = PLACE_BATCH if many is t.batched else 1
+        running = _running(factory)
+        for attempt_id in running[: args.free]:
+            _finish(factory, attempt_id)
+        ms, actions = timed(reconciler)
+        assert [type(a) for a in actions] == [PlaceJob] * args.free, len(actions)
+        many.append(ms)
+    return t
 
 
 def _seed(

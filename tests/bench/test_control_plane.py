@@ -17,6 +17,7 @@ from bench.control_plane import (
     Options,
     histogram_quantile,
     poll,
+    print_table,
     run,
     share_within,
 )
@@ -30,6 +31,7 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
         nodes=4,
         jobs=6,
         seconds=8.0,
+        read_rate=20,
         training=training,
         work_dir=tmp_path,
         heartbeats_per_s_max=2.5,  # 4 nodes: each told 1.6 s once they are counted
@@ -57,7 +59,7 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
         "job detail",
         "job detail, If-None-Match",
     ]
-    assert all(r["requests"] > 0 for r in result["reads"])
+    assert all(r["requests"] > 0 and r["offered_per_s"] == 20 for r in result["reads"])
     assert result["controller"]["rss_mib_max"] > 0
     load = result["offered"]
     assert load["runs_running_max"] >= 1 and load["runs_running_mean"] > 0, load
@@ -65,6 +67,7 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     assert load["reports_per_s"] > 0 and load["heartbeats_per_s"] > 0, load
     assert 0 < result["machine"]["busy_share"] <= 1
     assert 0 <= result["machine"]["system_share"] < result["machine"]["busy_share"]
+    print_table(result)  # the table prints what was measured, with the reads' offered rate
 
 
 def test_quantiles_from_cumulative_buckets() -> None:
@@ -138,7 +141,7 @@ def test_a_reader_that_starts_after_its_phase_still_sends_one_request(answering:
 
 
 def test_a_conditional_reader_sends_back_the_etag_it_was_given(answering: str) -> None:
-    latencies, not_modified, errors = poll(answering, "t", "/jobs", True, time.time() + 0.3)
+    latencies, not_modified, errors = poll(answering, "t", "/jobs", True, time.time() + 1.5)
     assert len(latencies) >= 2 and errors == {}
     assert not_modified == len(latencies) - 1  # only the first read is answered in full
 
@@ -147,7 +150,8 @@ def test_a_reader_at_a_fixed_rate_does_not_wait_for_answers_and_counts_from_when
     answering: str,
 ) -> None:
     _Answers.delay_s = 0.3
-    latencies, _, errors = poll(answering, "t", "/jobs", False, time.time() + 0.5, rate=20)
+    since = time.time()
+    latencies, _, errors = poll(answering, "t", "/jobs", False, since + 0.5, rate=20, since=since)
     assert errors == {} and len(latencies) == 10  # 0.5 s at 20 a second
     assert _Answers.most_under_way > 1  # sent while earlier ones were still answered
     assert min(latencies) >= 300
@@ -155,6 +159,15 @@ def test_a_reader_at_a_fixed_rate_does_not_wait_for_answers_and_counts_from_when
 
 def test_a_reader_back_to_back_has_one_read_under_way(answering: str) -> None:
     _Answers.delay_s = 0.05
-    latencies, _, errors = poll(answering, "t", "/jobs", False, time.time() + 0.3)
+    latencies, _, errors = poll(answering, "t", "/jobs", False, time.time() + 1.5)
     assert errors == {} and len(latencies) >= 2
     assert _Answers.most_under_way == 1
+
+
+def test_a_reader_at_a_fixed_rate_that_starts_late_sends_what_was_due_at_once(
+    answering: str,
+) -> None:
+    since = time.time() - 1.0  # the phase before overran its end by 1 s
+    latencies, _, errors = poll(answering, "t", "/jobs", False, since + 1.5, rate=10, since=since)
+    assert errors == {} and len(latencies) == 15  # as many as an on-time reader sends
+    assert max(latencies) >= 900  # the late ones count from when they were due
