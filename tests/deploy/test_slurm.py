@@ -18,6 +18,7 @@ from tests.e2e.helpers import (
     NODE_TIMEOUT_S,
     POLL_S,
     assert_trained,
+    newest_metric_id,
     regression,
     running_cluster,
     wait_no_processes,
@@ -194,10 +195,11 @@ def test_a_node_slurm_takes_back_is_lost_and_the_job_goes_on_without_it(
     job_id = client.submit(spec)["id"]
     wait_world_size(client, job_id, 2)
 
+    seen = newest_metric_id(client, job_id)
     slurm.run("scontrol", "update", "nodename=n2", "state=down", "reason=taken back")
     try:
         wait_for("n2 lost", lambda: node_states(client) == {"n1": "ALIVE", "n2": "LOST"}, 60)
-        wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+        wait_world_size(client, job_id, 1, after_id=seen)
         assert slurm.job(job)["JobState"] == "RUNNING"
         client.cancel(job_id)
         wait_no_processes(cluster, job_id)

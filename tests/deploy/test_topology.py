@@ -27,6 +27,7 @@ from tests.e2e.helpers import (
     POLL_S,
     assert_trained,
     dump_logs,
+    newest_metric_id,
     regression,
     wait_no_processes,
     wait_terminal,
@@ -141,14 +142,15 @@ def test_a_job_survives_a_stopped_agent_and_a_new_one_on_postgresql(
         job_id = client.submit(spec)["id"]
         wait_world_size(client, job_id, 3, after_step=4)
 
+        seen = newest_metric_id(client, job_id)
         cluster.stop("agent-1")  # docker compose stop: SIGTERM, the agent ends its part
         assert deployment.healthcheck("agent-1", "agent", "--max-age-s", "0.5") != 0
-        step = client.job(job_id)["last_step"] or 0
-        wait_world_size(client, job_id, 2, after_step=step)
+        wait_world_size(client, job_id, 2, after_id=seen)
 
+        seen = newest_metric_id(client, job_id)
         deployment.start_agent("agent-4")  # docker compose up --scale agent=4
         wait_for("agent-4 alive", lambda: "agent-4" in _alive(client), 60, POLL_S)
-        wait_world_size(client, job_id, 3, after_step=client.job(job_id)["last_step"] or 0)
+        wait_world_size(client, job_id, 3, after_id=seen)
 
         job = wait_terminal(client, job_id)
         assert_trained(client, job)

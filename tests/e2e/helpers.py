@@ -130,17 +130,32 @@ def regression_spec(name: str, step_delay: float) -> dict[str, Any]:
     }
 
 
-def wait_world_size(client: RelaunchClient, job_id: int, size: int, after_step: int = 0) -> None:
-    """Until rank 0 reports a training step past ``after_step`` at world size ``size``."""
+def wait_world_size(
+    client: RelaunchClient, job_id: int, size: int, after_step: int = 0, after_id: int = 0
+) -> None:
+    """Until rank 0 reports a training step past ``after_step`` at world size ``size``, in a
+    metric newer than ``after_id``. To wait for what an action brings about, pass
+    ``newest_metric_id`` taken before it: a job that re-formed resumes from its snapshot
+    and reports steps again, so the job's last step can lie below steps it reported at the
+    old world size."""
     with dumped_on_failure(client, job_id):
         wait_for(
             f"job {job_id} training at world size {size}",
             lambda: any(
-                m["world_size"] == size and m["step"] > after_step for m in client.metrics(job_id)
+                m["world_size"] == size and m["step"] > after_step
+                for m in client.metrics(job_id, after_id=after_id)
             ),
             120,
             POLL_S,
         )
+
+
+def newest_metric_id(client: RelaunchClient, job_id: int) -> int:
+    """The id of the job's newest metric (0 if none yet)."""
+    newest = 0
+    while page := client.metrics(job_id, after_id=newest):
+        newest = page[-1]["id"]
+    return newest
 
 
 def assert_trained(client: RelaunchClient, job: dict[str, Any]) -> None:

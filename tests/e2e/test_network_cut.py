@@ -19,6 +19,7 @@ from tests.e2e.helpers import (
     POLL_S,
     assert_trained,
     dump_logs,
+    newest_metric_id,
     regression,
     wait_no_processes,
     wait_terminal,
@@ -68,6 +69,7 @@ def test_a_node_cut_off_the_network_is_left_behind_and_fenced_when_it_returns(
         victim = rank0["RELAUNCH_NODE_NAME"]
         assert rank0["MASTER_ADDR"] == hosts.nodes[victim][2]  # really another host
 
+        seen = newest_metric_id(client, job_id)
         hosts.cut(victim)
         try:
             wait_for(
@@ -76,7 +78,7 @@ def test_a_node_cut_off_the_network_is_left_behind_and_fenced_when_it_returns(
                 NODE_TIMEOUT_S * 4,
                 POLL_S,
             )
-            wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+            wait_world_size(client, job_id, 1, after_id=seen)
         finally:
             hosts.mend(victim)
 

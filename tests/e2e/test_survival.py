@@ -23,6 +23,7 @@ from tests.e2e.helpers import (
     POLL_S,
     all_logs,
     assert_trained,
+    newest_metric_id,
     regression,
     running_cluster,
     wait_no_processes,
@@ -102,11 +103,12 @@ def test_a_node_drops_out_and_a_new_one_joins_without_a_restart(
     wait_world_size(client, job_id, 2, after_step=6)
     victim = node_of_rank(cluster, job_id, victim_rank)
 
+    seen = newest_metric_id(client, job_id)
     cluster.kill_node(victim)
-    last_step = client.job(job_id)["last_step"] or 0
-    wait_world_size(client, job_id, 1, after_step=last_step)
+    wait_world_size(client, job_id, 1, after_id=seen)
+    seen = newest_metric_id(client, job_id)
     start_nodes(cluster, nodes, f"{tag}-c")
-    wait_world_size(client, job_id, 2, after_step=client.job(job_id)["last_step"] or 0)
+    wait_world_size(client, job_id, 2, after_id=seen)
 
     job = wait_terminal(client, job_id)
     assert_trained(client, job)
@@ -125,6 +127,7 @@ def test_an_agent_stopped_with_sigterm_has_left_and_is_not_lost(
     start_nodes(cluster, nodes, "bye-a", "bye-b")
     job_id = client.submit(regression("goodbye", "1:2"))["id"]
     wait_world_size(client, job_id, 2, after_step=2)
+    seen = newest_metric_id(client, job_id)
     cluster.stop("bye-b")  # SIGTERM, and wait for the agent to exit
     assert {n["name"]: n["state"] for n in client.nodes()}["bye-b"] == "LEFT"
     members = client.job(job_id)["attempts"][0]["members"]
@@ -132,7 +135,7 @@ def test_an_agent_stopped_with_sigterm_has_left_and_is_not_lost(
     # it can hold more than one membership: every one has ended as LEFT.
     states = [m["state"] for m in members if m["node_name"] == "bye-b"]
     assert states and set(states) == {"LEFT"}, members
-    wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+    wait_world_size(client, job_id, 1, after_id=seen)
     client.cancel(job_id)
     wait_no_processes(cluster, job_id)
 
@@ -209,6 +212,7 @@ def test_a_paused_node_that_comes_back_is_fenced_out_of_its_old_attempt(
     job_id = client.submit(spec)["id"]
     wait_world_size(client, job_id, 2, after_step=6)
     victim = node_of_rank(cluster, job_id, 0)
+    seen = newest_metric_id(client, job_id)
     frozen = cluster.signal_node(victim, signal.SIGSTOP)
     try:
         # The survivor's collective blocks on the frozen peer until its hang detector
@@ -219,7 +223,7 @@ def test_a_paused_node_that_comes_back_is_fenced_out_of_its_old_attempt(
             NODE_TIMEOUT_S * 4,
             POLL_S,
         )
-        wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+        wait_world_size(client, job_id, 1, after_id=seen)
     finally:
         for proc in frozen:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -255,21 +259,22 @@ def test_a_frozen_node_is_dropped_and_the_survivor_re_forms_at_once_without_a_re
     job_id = client.submit(spec)["id"]
     wait_world_size(client, job_id, 2, after_step=6)
     victim = node_of_rank(cluster, job_id, 1)
+    seen = newest_metric_id(client, job_id)
     frozen = cluster.signal_node(victim, signal.SIGSTOP)
     try:
         frozen_at = time.monotonic()
-        step = client.job(job_id)["last_step"] or 0
-        wait_world_size(client, job_id, 1, after_step=step)
+        wait_world_size(client, job_id, 1, after_id=seen)
         recovered_s = time.monotonic() - frozen_at
         job = client.job(job_id)
         assert (job["state"], job["restart_count"]) == ("RUNNING", 0)
         assert len(job["attempts"]) == 1
     finally:
+        seen = newest_metric_id(client, job_id)
         for proc in frozen:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGCONT)
     print(f"the survivor trained again {recovered_s:.1f} s after the freeze")
-    wait_world_size(client, job_id, 2, after_step=client.job(job_id)["last_step"] or 0)
+    wait_world_size(client, job_id, 2, after_id=seen)
     job = wait_terminal(client, job_id)
     assert_trained(client, job)
     assert job["restart_count"] == 0
@@ -293,10 +298,12 @@ def test_ten_membership_changes_spend_no_restart_anywhere(
     wait_world_size(client, job_id, 2, after_step=2)
     for _ in range(5):
         name = "churn-b"
+        seen = newest_metric_id(client, job_id)
         cluster.stop(name)  # SIGTERM: the agent stops its part and leaves
-        wait_world_size(client, job_id, 1, after_step=client.job(job_id)["last_step"] or 0)
+        wait_world_size(client, job_id, 1, after_id=seen)
+        seen = newest_metric_id(client, job_id)
         cluster.start_agent(name)  # back under its name: it joins the attempt in place
-        wait_world_size(client, job_id, 2, after_step=client.job(job_id)["last_step"] or 0)
+        wait_world_size(client, job_id, 2, after_id=seen)
     job = wait_terminal(client, job_id)
     assert_trained(client, job)
     assert (job["restart_count"], len(job["attempts"])) == (0, 1)
