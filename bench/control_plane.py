@@ -446,8 +446,10 @@ class _Reads:
     def failed(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    def answered(self, response: httpx.Response, since: float) -> None:
-        self.latencies.append((time.perf_counter() - since) * 1000)
+    def answered(self, response: httpx.Response, counted_from: float) -> None:
+        """A read answered now, its time counted from ``counted_from`` (``perf_counter``:
+        when it was sent, or when it was due)."""
+        self.latencies.append((time.perf_counter() - counted_from) * 1000)
         if response.status_code == 304:
             self.not_modified += 1
         elif response.status_code == 200:

@@ -109,23 +109,20 @@ def main(argv: list[str] | None = None) -> None:
                 freeze_what_started()
             thresholds = collect_young_after(settings.gc_young_threshold)
             try:
-                timings = _time_passes(reconciler, factory, args)
+                t = _time_passes(reconciler, factory, args)
             finally:
                 gc.set_threshold(*thresholds)
                 if settings.gc_freeze:
                     gc.unfreeze()
-    first, head, whole = timings.first, timings.head, timings.whole
-    placing_head, placing_whole = timings.placing_head, timings.placing_whole
-    batched, one_by_one = timings.batched, timings.one_by_one
     table = Table(title=f"one reconciler pass: {args.nodes} nodes, {rows} queued jobs, {args.db}")
     for column in ("pass", "reads of the queue", "p50 ms", "p99 ms", "passes"):
         table.add_column(column)
-    table.add_row("first of a term: places a job on every node", "whole", f"{first:.0f}", "", "1")
+    table.add_row("first of a term: places a job on every node", "whole", f"{t.first:.0f}", "", "1")
     for what, reads, values in (
-        ("nothing to do (every node held)", "head (no page)", head),
-        ("nothing to do (every node held)", "whole (as before)", whole),
-        ("one node freed: places one job", "head (one page)", placing_head),
-        ("one node freed: places one job", "whole (as before)", placing_whole),
+        ("nothing to do (every node held)", "head (no page)", t.head),
+        ("nothing to do (every node held)", "whole (as before)", t.whole),
+        ("one node freed: places one job", "head (one page)", t.placing_head),
+        ("one node freed: places one job", "whole (as before)", t.placing_whole),
     ):
         table.add_row(
             what,
@@ -135,8 +132,8 @@ def main(argv: list[str] | None = None) -> None:
             str(len(values)),
         )
     for what, values in (
-        (f"{args.free} nodes freed: places {args.free} jobs, {PLACE_BATCH} a batch", batched),
-        (f"{args.free} nodes freed: places {args.free} jobs, one a transaction", one_by_one),
+        (f"{args.free} nodes freed: places {args.free} jobs, {PLACE_BATCH} a batch", t.batched),
+        (f"{args.free} nodes freed: places {args.free} jobs, one a transaction", t.one_by_one),
     ):
         table.add_row(
             what,
@@ -148,9 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table)
     console.print(
         f"placing {args.free} jobs, batches against one a transaction: "
-        f"{statistics.median(one_by_one) / statistics.median(batched):.1f}x faster (medians)"
+        f"{statistics.median(t.one_by_one) / statistics.median(t.batched):.1f}x faster (medians)"
     )
-    ratio = statistics.median(whole) / statistics.median(head)
+    ratio = statistics.median(t.whole) / statistics.median(t.head)
     console.print(
         f"with nothing to do, a whole read's pass takes {ratio:.1f}x a head read's (medians)"
     )
