@@ -155,23 +155,56 @@ class ExplainWait:
 Action = MarkNodeLost | PlaceJob | AddMembers | WaitForNodes | GiveUpWaiting | ExplainWait
 
 
-def _waiting_reason(job: JobView, alive: int, big_enough: int) -> str:
-    """Why ``job`` is not placed, given ``alive`` nodes of which ``big_enough`` have the
-    slots it needs: no node is alive, too few have its slots, or too few of those are free.
+def _waiting_reason(min_nodes: int, per_node: int, alive: int, big_enough: int) -> str:
+    """Why a job of ``min_nodes`` nodes of ``per_node`` slots is not placed, given
+    ``alive`` nodes of which ``big_enough`` have the slots it needs: no node is alive, too
+    few have its slots, or too few of those are free.
 
     It names what the job needs, never how many nodes are free or busy: the text changes
     only when the job moves from one case to another, not whenever a node is taken or
     freed, so a deep queue is not rewritten at every change of the cluster."""
-    needs = f"needs {job.spec.min_nodes}"
-    if job.spec.nproc_per_node > 1:
-        needs += f" with {job.spec.nproc_per_node} slots each"
+    needs = f"needs {min_nodes}"
+    if per_node > 1:
+        needs += f" with {per_node} slots each"
     if alive == 0:
         return f"waiting for nodes: {needs}, no node is alive"
-    if big_enough < job.spec.min_nodes:
-        if job.spec.nproc_per_node > 1:
+    if big_enough < min_nodes:
+        if per_node > 1:
             return f"waiting for nodes: {needs}, too few alive nodes have that many slots"
         return f"waiting for nodes: {needs}, too few nodes are alive"
     return f"waiting for nodes: {needs}, too few are free; other jobs hold the rest"
+
+
+class Reasons:
+    """Why a job that is not placed waits, on the ``alive`` nodes (``plan``): what it asks
+    and the alive nodes' slots and GPUs decide it, never which nodes are free, so every
+    queued job of one ``Ask`` is told the same. Worked out once per ask."""
+
+    def __init__(self, alive: Sequence[NodeView]) -> None:
+        self.gpu_nodes = GpuNodes(alive)
+        self._alive = len(alive)
+        self._any_gpus = any(n.gpus for n in alive)
+        self._big_enough = BySlots(alive)
+        self._known: dict[tuple[Device, int, int], str] = {}
+
+    def of(self, device: Device, min_nodes: int, per_node: int) -> str:
+        """The reason of a job placed on ``device`` (resolved) that is not placed."""
+        key = (device, min_nodes, per_node)
+        if key not in self._known:
+            if device == "cuda":
+                gpus_exist = self.gpu_nodes.enough(min_nodes, per_node)
+                reason = gpu_waiting_reason(min_nodes, per_node, self._any_gpus, gpus_exist)
+            else:
+                big_enough = len(self._big_enough.ids(per_node))
+                reason = _waiting_reason(min_nodes, per_node, self._alive, big_enough)
+            self._known[key] = reason
+        return self._known[key]
+
+    def of_ask(self, ask: Ask) -> str:
+        """The reason of a queued job that asks ``ask`` (``job_ask``) and is not placed."""
+        wanted, per_node, min_nodes, _ = ask
+        device = resolve_device(wanted, self.gpu_nodes.enough(min_nodes, per_node))
+        return self.of(device, min_nodes, per_node)
 
 
 def plan(
@@ -227,7 +260,6 @@ def plan_with_room(
     ]
     alive = _alive(now, nodes, node_timeout)
     alive_ids = {n.id for n in alive}
-    with_gpus = sum(1 for n in alive if n.gpus)
 
     running: list[tuple[JobView, list[int]]] = []
     whole: set[int] = set()  # nodes an attempt on "cpu" holds
@@ -267,39 +299,18 @@ def plan_with_room(
         if job.state.is_placeable():
             pending.append(job)
     # By what a job asks: a deep queue asks the same few questions of the nodes.
-    big_enough_for = BySlots(alive)
-    gpu_nodes = GpuNodes(alive)
+    reasons = Reasons(alive)
     room = Room(alive, whole, held, owners, share_gpu_nodes)
-    reasons: dict[tuple[object, ...], str] = {}  # by what a job needs and the counts
     for job in pending:
-        per_node = job.spec.nproc_per_node
-        device = resolve_device(job.spec.device, gpu_nodes.enough(job.spec.min_nodes, per_node))
+        per_node, min_nodes = job.spec.nproc_per_node, job.spec.min_nodes
+        device = resolve_device(job.spec.device, reasons.gpu_nodes.enough(min_nodes, per_node))
         fitting = room.fitting(device, per_node, job.owner)
-        if len(fitting) >= job.spec.min_nodes:
+        if len(fitting) >= min_nodes:
             chosen, gpus = by_id(device, fitting[: job.spec.max_nodes])
             actions.append(PlaceJob(job.id, chosen, device, gpus))
             room = room.taking(device, chosen, gpus, job.owner)
             continue
-        asked: tuple[object, ...]
-        if device == "cuda":
-            gpus_exist = gpu_nodes.enough(job.spec.min_nodes, per_node)
-            asked = (device, job.spec.min_nodes, per_node, with_gpus > 0, gpus_exist)
-            if asked not in reasons:
-                reasons[asked] = gpu_waiting_reason(
-                    job.spec.min_nodes, per_node, with_gpus > 0, gpus_exist
-                )
-        else:
-            big_enough = len(big_enough_for.ids(per_node))
-            asked = (
-                device,
-                job.spec.min_nodes,
-                per_node,
-                len(alive) > 0,
-                big_enough >= job.spec.min_nodes,
-            )
-            if asked not in reasons:
-                reasons[asked] = _waiting_reason(job, len(alive), big_enough)
-        reason = reasons[asked]
+        reason = reasons.of(device, min_nodes, per_node)
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))
     left = room
@@ -356,16 +367,6 @@ def takes_any(room: Room, asks: Iterable[Ask], gpu_nodes: GpuNodes) -> bool:
         if len(room.fitting(device, per_node, owner)) >= min_nodes:
             return True
     return False
-
-
-def fleet_shape(
-    now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta
-) -> tuple[tuple[int, int], ...]:
-    """What a waiting job's reason (and an "auto" job's device) depends on besides the job:
-    the slots and the number of GPUs of each node ``plan`` counts alive. While it stays
-    the same, a reason once written stays right (``Reconciler`` reads the queue whole
-    again when it changes)."""
-    return tuple(sorted((n.slots, len(n.gpus)) for n in _alive(now, nodes, node_timeout)))
 
 
 # A parsed spec by the job's id and submit time (a spec never changes after submit).
@@ -692,14 +693,15 @@ PLACE_BATCH = 100
 @dataclass(frozen=True)
 class WholeRead:
     """A pass that read the whole queue and whose reasons were written: in which term of
-    the lease, for which ``fleet_shape``, when (``time.monotonic``, and the pass's time),
-    and how many open jobs it found."""
+    the lease, when (``time.monotonic``, and the pass's time), how many open jobs it
+    found, and the reason the queued jobs of each ask (``job_ask``) were told: by it, or,
+    for an ask first seen since, by the pass that explained its first jobs."""
 
     term: int
-    shape: tuple[tuple[int, int], ...]
     at: float
     open_jobs: int
     now: datetime
+    told: dict[Ask, str]
 
 
 class Reconciler:
@@ -797,11 +799,13 @@ class Reconciler:
         same placements, and every job in it left unread already says why it waits.
 
         The whole queue is read when it may hold a reason that is no longer right: on
-        this controller's first pass of a term, when the nodes' shape (``fleet_shape``)
-        changed since the last whole read (no sooner than ``SHAPE_READ_EVERY_S`` after
-        it: a reason may lag the nodes that long, a placement never), at least every
-        ``WHOLE_READ_EVERY_S``, and
-        when the specs kept have grown well past the open jobs. Otherwise the jobs that
+        this controller's first pass of a term, when the alive nodes changed so that some
+        ask's reason (``Reasons``) is no longer the one its jobs were told (no sooner than
+        ``SHAPE_READ_EVERY_S`` after the last whole read: a reason may lag the nodes that
+        long, a placement never), at least every ``WHOLE_READ_EVERY_S``, and when the
+        specs kept have grown well past the open jobs. A node lost or back that changes
+        no reason (a deep queue of jobs that fit any node, on a fleet of alike nodes) reads
+        no more of the queue than any other pass. Otherwise the jobs that
         do not yet say why they wait (new ones) are read, for ``plan`` to explain, and
         the queue is read oldest first, a page at a time (``QUEUE_PAGE``, doubling), up
         to where the room the jobs read leave takes none of the asks (``job_ask``) of the
@@ -810,22 +814,36 @@ class Reconciler:
         takes them oldest first, and a room only shrinks). Returns the jobs and, for a
         whole read, what to remember of it once its pass is applied.
         """
-        shape = fleet_shape(now, nodes, node_timeout)
         share = self._settings.share_gpu_nodes_across_users
         last = self._whole_read
+        reasons = Reasons(_alive(now, nodes, node_timeout))
         if (
             last is None
             or last.term != leadership.term
-            or (last.shape != shape and now - last.now >= timedelta(seconds=SHAPE_READ_EVERY_S))
+            or (
+                now - last.now >= timedelta(seconds=SHAPE_READ_EVERY_S)
+                and any(reasons.of_ask(ask) != told for ask, told in last.told.items())
+            )
             or time.monotonic() - last.at > WHOLE_READ_EVERY_S
             or len(self._specs) > 2 * last.open_jobs + QUEUE_PAGE
         ):
             at = time.monotonic()
             queue = read_queue(session, self._specs)
-            return self._read_whole(leadership, shape, at, now, placed, queue)
+            return self._read_whole(leadership, reasons, at, now, placed, queue)
+
+        def telling(jobs: list[JobView]) -> None:
+            """``jobs`` are read, and those that do not yet say why they wait will be told
+            this pass's reason: their asks count from here on, and an ask new since the
+            last whole read is told that reason (one told another before keeps it: the
+            older jobs still say that)."""
+            for job in jobs:
+                ask = job_ask(job, share)
+                self._asks.add(ask)
+                last.told.setdefault(ask, reasons.of_ask(ask))
+
         new = read_queue(session, self._specs, unexplained=True)
-        self._asks.update(job_ask(job, share) for job in new)
-        gpu_nodes = GpuNodes(_alive(now, nodes, node_timeout))
+        telling(new)
+        gpu_nodes = reasons.gpu_nodes
         head: list[JobView] = []
         page = QUEUE_PAGE
         while True:
@@ -843,11 +861,11 @@ class Reconciler:
                 break
             read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
-            # A job submitted since the new ones were read may be among them: its ask
-            # counts from here on (read again, it no longer says nothing).
-            self._asks.update(job_ask(job, share) for job in read)
+            # A job submitted since the new ones were read may be among them (read again,
+            # it no longer says nothing).
+            telling(read)
             if len(read) < page:  # the whole queue after all
-                return self._read_whole(leadership, shape, time.monotonic(), now, placed, head)
+                return self._read_whole(leadership, reasons, time.monotonic(), now, placed, head)
             page *= 2
         seen = {job.id for job in head}
         return placed + head + [j for j in new if j.id not in seen], None
@@ -855,19 +873,21 @@ class Reconciler:
     def _read_whole(
         self,
         leadership: Leadership,
-        shape: tuple[tuple[int, int], ...],
+        reasons: Reasons,
         at: float,
         now: datetime,
         placed: list[JobView],
         queue: list[JobView],
     ) -> tuple[list[JobView], WholeRead]:
         """What ``_with_queue`` returns once it has read the whole ``queue`` (begun at
-        ``at``): the asks and the specs kept become those of the open jobs."""
+        ``at``): the asks and the specs kept become those of the open jobs, each ask told
+        its reason on these nodes (``plan`` tells every job not placed so)."""
         share = self._settings.share_gpu_nodes_across_users
         self._asks = {job_ask(job, share) for job in queue}
         jobs = placed + queue
         _keep_specs(self._specs, jobs)
-        return jobs, WholeRead(leadership.term, shape, at, len(jobs), now)
+        told = {ask: reasons.of_ask(ask) for ask in self._asks}
+        return jobs, WholeRead(leadership.term, at, len(jobs), now, told)
 
     def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:
         """Apply the actions in order, each in a transaction of its own, except: each run of

@@ -299,3 +299,48 @@ def test_a_new_node_makes_a_whole_read_no_sooner_than_shape_read_every_s_after_t
     assert reads(counted)["whole"] == before["whole"] + 1
     assert job(api, wide)["message"] == FREE.format(n=3)
     assert job(api, holder)["state"] == "RUNNING"
+
+
+def test_a_node_lost_and_back_that_changes_no_reason_reads_no_more_of_the_queue(
+    api: Cluster,
+    counted: Reconciler,
+    settings: ControllerSettings,
+    clock: FakeClock,
+    small_pages: None,
+) -> None:
+    """Three nodes of one slot, each held, and a queue of one-node jobs past the head,
+    which wait because too few are free. A node is lost and comes back: the nodes
+    changed, but no queued job's reason did (one node still fits each job), so no pass
+    reads the queue whole, and a whole read would explain nothing. A job that needs all
+    three nodes, submitted before, is told its new reason by a whole read once the loss
+    makes it one that too few nodes are alive for."""
+    nodes = [register(api, name) for name in "abc"]
+    holders = [submit(api, "1:1") for _ in nodes]
+    queued = [submit(api, "1:1") for _ in range(4)]
+    counted.run_once()  # the first pass of a term: whole
+    assert {job(api, i)["state"] for i in holders} == {"RUNNING"}
+    assert set(pending_messages(api, queued).values()) == {FREE.format(n=1)}
+    lost = job(api, holders[0])["attempts"][0]["members"][0]["node_id"]
+    clock.advance(settings.node_timeout_s + 1)
+    for node_id in nodes:
+        if node_id != lost:
+            heartbeat(api, node_id)
+    before = reads(counted)
+    counted.run_once()  # the node is lost; its job waits for nodes
+    assert job(api, holders[0])["state"] == "WAITING"
+    heartbeat(api, lost)  # and it is back
+    counted.run_once()
+    assert reads(counted)["whole"] == before["whole"]
+    assert [a for a in whole_plan(api, settings, clock) if isinstance(a, ExplainWait)] == []
+    assert set(pending_messages(api, queued).values()) == {FREE.format(n=1)}
+
+    wide = submit(api, "3:3")
+    counted.run_once()  # a new job: told at once, without a whole read
+    assert job(api, wide)["message"] == FREE.format(n=3)
+    clock.advance(settings.node_timeout_s + 1)
+    for node_id in nodes[1:]:
+        heartbeat(api, node_id)
+    counted.run_once()  # a lost: three nodes are no longer alive
+    assert reads(counted)["whole"] == before["whole"] + 1
+    assert job(api, wide)["message"] == TOO_FEW_ALIVE.format(n=3)
+    assert set(pending_messages(api, queued).values()) == {FREE.format(n=1)}
