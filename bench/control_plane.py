@@ -783,6 +783,11 @@ def _result(
             "within_target": share_within(passes, RECONCILE_P99_TARGET_MS / 1000),
             "phase_mean_ms": phases,
             "actions": actions,
+            # Passes that read the queue whole (a shape change, a new term, ...) or its head.
+            "queue_reads": {
+                read: _delta(before, after, "relaunch_reconcile_queue_reads_total", read=read)
+                for read in ("whole", "head")
+            },
         },
         "heartbeat": {
             "count": len(stats.heartbeat_ms),
@@ -862,7 +867,8 @@ def print_table(result: dict[str, Any]) -> None:
         f"{rec['p99_ms']:.0f}",
         f"{rec['passes']:.0f} passes in {rec['measured_over_s']:.0f} s, "
         f"mean {rec['mean_ms']:.0f} ms ({phases}); "
-        f"{100 * rec['within_target']:.0f} % within {RECONCILE_P99_TARGET_MS:.0f} ms",
+        f"{100 * rec['within_target']:.0f} % within {RECONCILE_P99_TARGET_MS:.0f} ms; "
+        f"{rec['queue_reads']['whole']:.0f} read the queue whole",
     )
     table.add_row(
         "heartbeat answer (nodes' side)",
