@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest's worker processes: one runs every e2e and deploy test in turn (tests/conftest.py),
+# the others the in-process tests. 0 runs everything in this process, one test at a time.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint postgres browser slurm bench bench-snapshots bench-status \
 	bench-control-plane bench-reconcile-pass bench-chaos clean
@@ -50,13 +53,13 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: install postgres browser slurm lint
-	$(VENV)/bin/pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: no lint, no e2e or deploy tests (real processes, PostgreSQL, Chromium, Slurm),
 # and the database tests on SQLite only; pytest's summary says how many it deselected.
 # `make test` is what CI runs.
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not e2e and not postgres" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not e2e and not postgres" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m bench.recovery

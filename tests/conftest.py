@@ -25,10 +25,16 @@ import psycopg
 import pytest
 
 from service.db import upgrade_to_head
-from tests.helpers import REPO_ROOT, FakeClock, let_jobs_pass, subprocess_environ
+from tests.helpers import (
+    CLUSTER_DIRS,
+    REPO_ROOT,
+    FakeClock,
+    let_jobs_pass,
+    subprocess_environ,
+    work_unit,
+)
 
 PG_ADMIN_URL = os.environ.get("RELAUNCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
-E2E_DIRS = (Path(__file__).parent / "e2e", Path(__file__).parent / "deploy")
 _OWN_TEMPROOT = pytest.StashKey[str]()
 
 
@@ -50,7 +56,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.path.is_relative_to(d) for d in E2E_DIRS):
+        if any(item.path.is_relative_to(REPO_ROOT / d) for d in CLUSTER_DIRS):
             item.add_marker(pytest.mark.e2e)
         if "pg_database" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)
@@ -59,6 +65,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {_why_no_cuda()}")
         for item in gpu_tests:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``pytest -n`` (``make test``): tests go to the workers by ``work_unit``."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
 
 
 def _cuda_available() -> bool:

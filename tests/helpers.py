@@ -13,12 +13,25 @@ from typing import Any
 from contract.protocol import DEVICE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where the tests start clusters of real processes (marked ``e2e``), from the repository.
+CLUSTER_DIRS = ("tests/e2e", "tests/deploy")
 _LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
 # The CPU and gloo, asked for as the node agent asks for them (RELAUNCH_DEVICE): a test
 # about the CPU path, or one that runs several ranks on one host, says so and runs
 # alike on a GPU host, where the ranks would otherwise pick CUDA (and NCCL refuses
 # ranks that share a GPU).
 ON_CPU = {DEVICE_ENV: "cpu"}
+
+
+def work_unit(nodeid: str) -> str:
+    """What one of ``pytest -n``'s workers takes at a time (``make test``): every e2e and
+    deploy test at once, so that they run one after another on one worker as they would
+    alone (each starts a cluster whose timeouts are set for a machine that is not also
+    running another cluster); any other test with the rest of its file."""
+    path = nodeid.split("::", 1)[0]
+    if any(path.startswith(f"{d}/") for d in CLUSTER_DIRS):
+        return "clusters"
+    return path
 
 
 def subprocess_environ() -> dict[str, str]:
