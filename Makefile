@@ -56,7 +56,7 @@ test: install postgres browser slurm lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: no lint, no e2e or deploy tests (real processes, PostgreSQL, Chromium, Slurm),
-# and the database tests on SQLite only; pytest's summary says how many it deselected.
+# and the database tests on SQLite only.
 # `make test` is what CI runs.
 test-fast: install
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not e2e and not postgres" $(PYTEST_ARGS)
