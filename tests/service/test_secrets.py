@@ -133,21 +133,23 @@ def _new_key() -> str:
 
 def test_a_sealed_spec_keeps_names_and_opens_only_with_its_keys() -> None:
     old, new = Fernet.generate_key(), Fernet.generate_key()
-    spec = {**SPEC, "env": {"A": "one", "B": "two"}}
+    # Values with a space, which no Fernet token (URL-safe base64) holds: a word alone can
+    # turn up in a token by chance, as "one" once did.
+    spec = {**SPEC, "env": {"A": "value one", "B": "value two"}}
     stored = seal_spec(Keyring((old,), "old"), spec)
-    assert set(stored["env"]) == {"A", "B"} and "one" not in json.dumps(stored)
+    assert set(stored["env"]) == {"A", "B"} and "value one" not in json.dumps(stored)
     assert public_spec(stored) == {**SPEC, "env": {"A": "", "B": ""}}
-    assert open_env(Keyring((old,), "old"), stored) == {"A": "one", "B": "two"}
+    assert open_env(Keyring((old,), "old"), stored) == {"A": "value one", "B": "value two"}
     with pytest.raises(SecretsKeyError, match="RELAUNCH_SECRETS_KEYS"):
         open_env(Keyring((new,), "new"), stored)
 
     rotated = resealed(Keyring((new, old), "both"), stored)
-    assert open_env(Keyring((new,), "new"), rotated) == {"A": "one", "B": "two"}
+    assert open_env(Keyring((new,), "new"), rotated) == {"A": "value one", "B": "value two"}
     # A row stored before values were encrypted reads as plaintext, and rotates to sealed.
-    legacy = {**SPEC, "env": {"A": "one"}}
-    assert open_env(Keyring((new,), "new"), legacy) == {"A": "one"}
+    legacy = {**SPEC, "env": {"A": "value one"}}
+    assert open_env(Keyring((new,), "new"), legacy) == {"A": "value one"}
     assert open_env(Keyring((new,), "new"), resealed(Keyring((new,), "new"), legacy)) == {
-        "A": "one"
+        "A": "value one"
     }
 
 
