@@ -682,8 +682,9 @@ class _PhaseTimer:
 # least it reads the queue whole.
 QUEUE_PAGE = 256
 WHOLE_READ_EVERY_S = 300.0
-# How soon after a whole read a change of the nodes' shape makes a pass read the queue
-# whole again: while a fleet starts, every registration changes it.
+# How soon after a whole read a change of the alive nodes that changes a queued ask's
+# reason makes a pass read the queue whole again: while a fleet starts, every
+# registration can change one.
 SHAPE_READ_EVERY_S = 10.0
 # The most placements applied in one transaction (``Reconciler._apply_all``): more take
 # fewer statements in all, and hold their nodes' locks, which heartbeats wait on, longer.
@@ -734,10 +735,9 @@ class Reconciler:
         self._leading_since = clock()
         self._last_pass: datetime | None = None  # wall time of the loop's last pass
         self._specs: SpecCache = {}  # the open jobs' specs, read once each
-        self._whole_read: WholeRead | None = None  # the last whole read of the queue
-        # What the PENDING jobs ask (at least): those of the last whole read, and of
-        # every job read since (``_with_queue``).
-        self._asks: set[Ask] = set()
+        # The last whole read of the queue; its ``told`` holds what the PENDING jobs ask
+        # (at least): the asks of that read, and of every job read since (``_with_queue``).
+        self._whole_read: WholeRead | None = None
         self.place_batch = PLACE_BATCH
 
     @property
@@ -838,7 +838,6 @@ class Reconciler:
             older jobs still say that)."""
             for job in jobs:
                 ask = job_ask(job, share)
-                self._asks.add(ask)
                 last.told.setdefault(ask, reasons.of_ask(ask))
 
         new = read_queue(session, self._specs, unexplained=True)
@@ -857,7 +856,7 @@ class Reconciler:
                 if not j.state.is_placeable() or (upto is not None and queue_key(j) <= upto)
             ]
             _, room = plan_with_room(now, nodes, before + head, node_timeout, share)
-            if room.is_full() or not takes_any(room, self._asks, gpu_nodes):
+            if room.is_full() or not takes_any(room, last.told, gpu_nodes):
                 break
             read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
@@ -883,10 +882,9 @@ class Reconciler:
         ``at``): the asks and the specs kept become those of the open jobs, each ask told
         its reason on these nodes (``plan`` tells every job not placed so)."""
         share = self._settings.share_gpu_nodes_across_users
-        self._asks = {job_ask(job, share) for job in queue}
         jobs = placed + queue
         _keep_specs(self._specs, jobs)
-        told = {ask: reasons.of_ask(ask) for ask in self._asks}
+        told = {ask: reasons.of_ask(ask) for ask in {job_ask(job, share) for job in queue}}
         return jobs, WholeRead(leadership.term, at, len(jobs), now, told)
 
     def _apply_all(self, leadership: Leadership, actions: list[Action], now: datetime) -> None:

@@ -228,7 +228,8 @@ def test_what_a_page_read_asks_is_kept(
         ("PlaceJob", first)
     ]
     assert job(api, wide)["message"] != ""  # read on the page, and explained there
-    assert ("auto", 2, 1, None) in {(d, n, m, None) for d, n, m, _ in counted._asks}
+    assert counted._whole_read is not None
+    assert ("auto", 2, 1, None) in {(d, n, m, None) for d, n, m, _ in counted._whole_read.told}
 
 
 def test_a_waiting_job_queued_before_the_unread_jobs_is_placed_as_a_whole_read_would(
