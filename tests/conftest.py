@@ -26,10 +26,10 @@ import pytest
 
 from service.db import upgrade_to_head
 from tests.helpers import (
-    CLUSTER_DIRS,
     REPO_ROOT,
     FakeClock,
     let_jobs_pass,
+    starts_clusters,
     subprocess_environ,
     work_unit,
 )
@@ -56,7 +56,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.path.is_relative_to(REPO_ROOT / d) for d in CLUSTER_DIRS):
+        if starts_clusters(item.nodeid):
             item.add_marker(pytest.mark.e2e)
         if "pg_database" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)

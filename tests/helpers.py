@@ -29,9 +29,13 @@ def work_unit(nodeid: str) -> str:
     alone (each starts a cluster whose timeouts are set for a machine that is not also
     running another cluster); any other test with the rest of its file."""
     path = nodeid.split("::", 1)[0]
-    if any(path.startswith(f"{d}/") for d in CLUSTER_DIRS):
-        return "clusters"
-    return path
+    return "clusters" if starts_clusters(path) else path
+
+
+def starts_clusters(path: str) -> bool:
+    """Whether the test at ``path`` (a node id, or its file, from the repository) is one
+    of those that start clusters of real processes (``CLUSTER_DIRS``, marked ``e2e``)."""
+    return any(path.startswith(f"{d}/") for d in CLUSTER_DIRS)
 
 
 def subprocess_environ() -> dict[str, str]:
