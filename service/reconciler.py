@@ -593,7 +593,7 @@ def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, dateti
 def _keep_specs(specs: SpecCache, jobs: Sequence[JobView]) -> None:
     """Leave ``specs`` holding the specs of ``jobs`` only (every open job's, after a
     whole read)."""
-    wanted = {queue_key(job) for job in jobs}
+    wanted = {(job.id, job.created_at) for job in jobs}
     for gone in [key for key in specs if key not in wanted]:
         del specs[gone]
 

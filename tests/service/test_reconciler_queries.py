@@ -17,7 +17,7 @@ def passes(
 ) -> tuple[list[str], list[str]]:
     """With every node free and ``queued`` jobs of one node each pending, the statements of
     two passes: the first places a job on each node and tells the others why they wait,
-    the second finds nothing to do."""
+    the second finds nothing to do, and reads no spec."""
     with statements(engine) as placing:
         actions = reconciler.run_once()
     assert Counter(type(a).__name__ for a in actions) == {
@@ -28,6 +28,8 @@ def passes(
         heartbeat(api, node_id)
     with statements(engine) as steady:
         assert reconciler.run_once() == []
+    # The open jobs' specs were read once, and kept.
+    assert [s for s in steady if "jobs.spec" in s] == []
     return placing, steady
 
 
