@@ -8,6 +8,7 @@ Nothing here reads a database.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -144,13 +145,12 @@ class Room:
         self._held = held
         self._owners = {} if owners is None else owners
         self._share = share
-        idle = sorted(
-            (n for n in alive if n.id not in whole and n.id not in held),
-            key=lambda n: (bool(n.gpus), n.id),
+        self._set_idle(
+            sorted(
+                (n for n in alive if n.id not in whole and n.id not in held),
+                key=lambda n: (bool(n.gpus), n.id),
+            )
         )
-        self._any_idle = bool(idle)
-        self._idle = BySlots(idle)
-        self._idle_gpu_less = BySlots([n for n in idle if not n.gpus])
         self._free_gpus = {
             n.id: sorted(set(n.gpus) - held.get(n.id, set()))
             for n in alive
@@ -158,10 +158,23 @@ class Room:
         }
         self._by_count: dict[tuple[int, Owner], list[Fit]] = {}
 
+    def _set_idle(self, idle: list[NodeRoom]) -> None:
+        """The nodes no attempt holds, in the order "cpu" takes them."""
+        self._idle_nodes = idle
+        self._any_idle = bool(idle)
+        self._idle_count = len(idle)
+        self._idle = BySlots(idle)
+        self._idle_gpu_less = BySlots([n for n in idle if not n.gpus])
+
     def is_full(self) -> bool:
         """Whether no attempt, on any device, of any owner and of any size, could take
         anything here: every node is held whole or has no GPU free."""
         return not self._any_idle and not any(self._free_gpus.values())
+
+    def openings(self) -> int:
+        """At most how many attempts this room could take: one on "cpu" for each node
+        no attempt holds, one on "cuda" for each free GPU."""
+        return self._idle_count + sum(len(free) for free in self._free_gpus.values())
 
     def _free_for(self, owner: Owner) -> dict[int, list[int]]:
         """The free GPUs, by node, of the nodes an attempt of ``owner`` on "cuda" may share."""
@@ -195,8 +208,15 @@ class Room:
         owner: Owner = None,
     ) -> Room:
         if device == "cpu":
-            whole = self._whole | set(node_ids)
-            return Room(self._alive, whole, self._held, self._owners, self._share)
+            # What is left of this room, without working it out again from every node: a
+            # pass that places hundreds of jobs takes hundreds of rooms.
+            whole = set(node_ids)
+            room = copy.copy(self)
+            room._whole = self._whole | whole
+            room._set_idle([n for n in self._idle_nodes if n.id not in whole])
+            room._free_gpus = {i: f for i, f in self._free_gpus.items() if i not in whole}
+            room._by_count = {}
+            return room
         held = dict(self._held)
         owners = dict(self._owners)
         for node_id, taken in zip(node_ids, gpus, strict=True):

@@ -213,8 +213,10 @@ def plan(
     jobs: Sequence[JobView],
     node_timeout: timedelta,
     share_gpu_nodes: bool = False,
+    fleet: Fleet | None = None,
 ) -> list[Action]:
-    """Decide what to do now. Pure: same inputs, same actions.
+    """Decide what to do now. Pure: same inputs, same actions (``fleet``: as in
+    ``plan_with_room``).
 
     - A live node silent for longer than ``node_timeout`` (plus its
       ``extra_silence``, when it was told a longer heartbeat interval) is lost; its
@@ -241,7 +243,7 @@ def plan(
     placed (``resolve_device``); scale-up keeps the attempt's, and an attempt on
     "cpu" grows only onto nodes without GPUs (it would hold them whole until it ends).
     """
-    return plan_with_room(now, nodes, jobs, node_timeout, share_gpu_nodes)[0]
+    return plan_with_room(now, nodes, jobs, node_timeout, share_gpu_nodes, fleet)[0]
 
 
 def plan_with_room(
@@ -250,17 +252,69 @@ def plan_with_room(
     jobs: Sequence[JobView],
     node_timeout: timedelta,
     share_gpu_nodes: bool = False,
+    fleet: Fleet | None = None,
 ) -> tuple[list[Action], Room]:
     """``plan``, and the room its placeable jobs left (before any running attempt grew
-    into it): a full room would take none of the jobs queued after them."""
-    actions: list[Action] = []
-    lost = {n.id for n in nodes if _silent_too_long(now, n, node_timeout)}
-    actions += [
-        MarkNodeLost(n.id, now - node_timeout - n.extra_silence) for n in nodes if n.id in lost
+    into it): a full room would take none of the jobs queued after them. ``fleet``, when
+    given, is ``Fleet(now, nodes, node_timeout)``, worked out once for several plans."""
+    fleet = Fleet(now, nodes, node_timeout) if fleet is None else fleet
+    actions: list[Action] = [
+        MarkNodeLost(n.id, now - node_timeout - n.extra_silence) for n in fleet.silent
     ]
-    alive = _alive(now, nodes, node_timeout)
-    alive_ids = {n.id for n in alive}
+    running, left = _place_queue(now, fleet, jobs, share_gpu_nodes, actions)
+    room = left
+    for job, remaining in running:
+        if room.is_full():  # no attempt could grow
+            break
+        room_for = job.spec.max_nodes - len(remaining)
+        if room_for <= 0 or job.attempt_id is None:
+            continue
+        # On "cpu" only nodes without GPUs: there is no scale-down to give them back.
+        fitting = room.fitting(job.device, job.spec.nproc_per_node, job.owner, gpu_less=True)
+        # On "cuda" a member node may have GPUs to spare; the attempt takes a node once.
+        others = [(i, g) for i, g in fitting if i not in remaining][:room_for]
+        if others:
+            chosen, gpus = by_id(job.device, others)
+            actions.append(AddMembers(job.id, job.attempt_id, chosen, gpus))
+            room = room.taking(job.device, chosen, gpus, job.owner)
+    return actions, left
 
+
+def room_left(
+    now: datetime, fleet: Fleet, jobs: Sequence[JobView], share_gpu_nodes: bool = False
+) -> Room:
+    """The room ``plan_with_room`` returns for ``jobs`` on ``fleet``, without deciding its
+    other actions: what ``Reconciler`` asks of the queue's head, page after page."""
+    return _place_queue(now, fleet, jobs, share_gpu_nodes, None)[1]
+
+
+class Fleet:
+    """The nodes as ``plan`` sees them at ``now``: the ALIVE ones silent too long
+    (``silent``: to be marked lost) and the others it places on (``alive``, by id)."""
+
+    def __init__(self, now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta) -> None:
+        self.silent = [n for n in nodes if _silent_too_long(now, n, node_timeout)]
+        gone = {n.id for n in self.silent}
+        self.alive = sorted(
+            (n for n in nodes if n.state is NodeState.ALIVE and n.id not in gone),
+            key=lambda n: n.id,
+        )
+        self.alive_ids = {n.id for n in self.alive}
+        self.reasons = Reasons(self.alive)
+
+
+def _place_queue(
+    now: datetime,
+    fleet: Fleet,
+    jobs: Sequence[JobView],
+    share_gpu_nodes: bool,
+    actions: list[Action] | None,
+) -> tuple[list[tuple[JobView, list[int]]], Room]:
+    """What the running attempts hold, then the placeable jobs placed oldest first: the
+    running attempts left MIN nodes (each with its nodes still alive) and the room the
+    placements left. Decides, into ``actions`` (none: decides nothing but the room), the
+    ``WaitForNodes``, ``GiveUpWaiting``, ``PlaceJob`` and ``ExplainWait`` of ``plan``."""
+    alive, alive_ids = fleet.alive, fleet.alive_ids
     running: list[tuple[JobView, list[int]]] = []
     whole: set[int] = set()  # nodes an attempt on "cpu" holds
     held: dict[int, set[int]] = {}  # GPUs attempts on "cuda" hold, by node
@@ -277,7 +331,8 @@ def plan_with_room(
             continue
         remaining = [m for m in job.members if m in alive_ids]
         if len(remaining) < job.spec.min_nodes:
-            actions.append(WaitForNodes(job.id, job.attempt_id))
+            if actions is not None:
+                actions.append(WaitForNodes(job.id, job.attempt_id))
             continue
         if job.device == "cuda":
             for node_id, holds in zip(job.members, job.member_gpus, strict=True):
@@ -292,14 +347,15 @@ def plan_with_room(
     for job in sorted(jobs, key=lambda j: (j.created_at, j.id)):
         if job.state is JobState.WAITING and job.waiting_since is not None:
             if now - job.waiting_since > timedelta(seconds=job.spec.wait_for_nodes_s):
-                actions.append(GiveUpWaiting(job.id, job.waiting_since))
+                if actions is not None:
+                    actions.append(GiveUpWaiting(job.id, job.waiting_since))
                 continue
             if job.not_before is not None and now < job.not_before:
                 continue
         if job.state.is_placeable():
             pending.append(job)
     # By what a job asks: a deep queue asks the same few questions of the nodes.
-    reasons = Reasons(alive)
+    reasons = fleet.reasons
     room = Room(alive, whole, held, owners, share_gpu_nodes)
     for job in pending:
         per_node, min_nodes = job.spec.nproc_per_node, job.spec.min_nodes
@@ -307,44 +363,22 @@ def plan_with_room(
         fitting = room.fitting(device, per_node, job.owner)
         if len(fitting) >= min_nodes:
             chosen, gpus = by_id(device, fitting[: job.spec.max_nodes])
-            actions.append(PlaceJob(job.id, chosen, device, gpus))
+            if actions is not None:
+                actions.append(PlaceJob(job.id, chosen, device, gpus))
             room = room.taking(device, chosen, gpus, job.owner)
+            continue
+        if actions is None:
             continue
         reason = reasons.of(device, min_nodes, per_node)
         if reason != job.message:
             actions.append(ExplainWait(job.id, job.state, reason))
-    left = room
-    for job, remaining in running:
-        room_for = job.spec.max_nodes - len(remaining)
-        if room_for <= 0 or job.attempt_id is None:
-            continue
-        # On "cpu" only nodes without GPUs: there is no scale-down to give them back.
-        fitting = room.fitting(job.device, job.spec.nproc_per_node, job.owner, gpu_less=True)
-        # On "cuda" a member node may have GPUs to spare; the attempt takes a node once.
-        others = [(i, g) for i, g in fitting if i not in remaining][:room_for]
-        if others:
-            chosen, gpus = by_id(job.device, others)
-            actions.append(AddMembers(job.id, job.attempt_id, chosen, gpus))
-            room = room.taking(job.device, chosen, gpus, job.owner)
-    return actions, left
+    return running, room
 
 
 def _silent_too_long(now: datetime, node: NodeView, node_timeout: timedelta) -> bool:
     return (
         node.state is NodeState.ALIVE
         and now - node.last_heartbeat_at > node_timeout + node.extra_silence
-    )
-
-
-def _alive(now: datetime, nodes: Sequence[NodeView], node_timeout: timedelta) -> list[NodeView]:
-    """The nodes ``plan`` places on: ALIVE and not silent too long, by id."""
-    return sorted(
-        (
-            n
-            for n in nodes
-            if n.state is NodeState.ALIVE and not _silent_too_long(now, n, node_timeout)
-        ),
-        key=lambda n: n.id,
     )
 
 
@@ -678,9 +712,11 @@ class _PhaseTimer:
         )
 
 
-# The queue's first page a pass reads (``Reconciler._with_queue``), and how often at
-# least it reads the queue whole.
+# The largest and the smallest first page of the queue a pass reads
+# (``Reconciler._with_queue``; twice the room's openings, between the two), and how often
+# at least it reads the queue whole.
 QUEUE_PAGE = 256
+FIRST_PAGE_MIN = 16
 WHOLE_READ_EVERY_S = 300.0
 # How soon after a whole read a change of the alive nodes that changes a queued ask's
 # reason makes a pass read the queue whole again: while a fleet starts, every
@@ -767,13 +803,15 @@ class Reconciler:
         self, leadership: Leadership, now: datetime, node_timeout: timedelta
     ) -> list[Action]:
         phase = _PhaseTimer(self._metrics)
+        share = self._settings.share_gpu_nodes_across_users
         with transaction(self._factory) as session:
             nodes, placed = read_fleet(
                 session, self._specs, self._settings.heartbeat_interval_s, self._leading_since
             )
-            jobs, whole = self._with_queue(session, leadership, now, nodes, placed, node_timeout)
+            fleet = Fleet(now, nodes, node_timeout)
+            jobs, whole = self._with_queue(session, leadership, now, fleet, placed)
         phase.done("load")
-        actions = plan(now, nodes, jobs, node_timeout, self._settings.share_gpu_nodes_across_users)
+        actions = plan(now, nodes, jobs, node_timeout, share, fleet)
         phase.done("plan")
         self._apply_all(leadership, actions, now)
         phase.done("apply")
@@ -791,9 +829,8 @@ class Reconciler:
         session: Session,
         leadership: Leadership,
         now: datetime,
-        nodes: list[NodeView],
+        fleet: Fleet,
         placed: list[JobView],
-        node_timeout: timedelta,
     ) -> tuple[list[JobView], WholeRead | None]:
         """``placed`` and the queue, as far as this pass needs it: its jobs decide the
         same placements, and every job in it left unread already says why it waits.
@@ -807,7 +844,8 @@ class Reconciler:
         no reason (a deep queue of jobs that fit any node, on a fleet of alike nodes) reads
         no more of the queue than any other pass. Otherwise the jobs that
         do not yet say why they wait (new ones) are read, for ``plan`` to explain, and
-        the queue is read oldest first, a page at a time (``QUEUE_PAGE``, doubling), up
+        the queue is read oldest first, a page at a time (the first of twice as many jobs
+        as the room has openings, from ``FIRST_PAGE_MIN`` to ``QUEUE_PAGE``; doubling), up
         to where the room the jobs read leave takes none of the asks (``job_ask``) of the
         queue: those of the last whole read and of every job read since, a set that
         holds every PENDING job's. No job after that point could be placed (``plan``
@@ -816,7 +854,7 @@ class Reconciler:
         """
         share = self._settings.share_gpu_nodes_across_users
         last = self._whole_read
-        reasons = Reasons(_alive(now, nodes, node_timeout))
+        reasons = fleet.reasons
         if (
             last is None
             or last.term != leadership.term
@@ -844,7 +882,7 @@ class Reconciler:
         telling(new)
         gpu_nodes = reasons.gpu_nodes
         head: list[JobView] = []
-        page = QUEUE_PAGE
+        page = 0  # sized to the room once it is known
         while True:
             # The room the jobs queued up to the last one read leave (none read: the room
             # the running attempts leave); a WAITING job queued after it does not come
@@ -855,9 +893,12 @@ class Reconciler:
                 for j in placed
                 if not j.state.is_placeable() or (upto is not None and queue_key(j) <= upto)
             ]
-            _, room = plan_with_room(now, nodes, before + head, node_timeout, share)
+            room = room_left(now, fleet, before + head, share)
             if room.is_full() or not takes_any(room, last.told, gpu_nodes):
                 break
+            # A job placed takes an opening at least: a first page of twice as many jobs
+            # as there are openings is most often all a pass needs.
+            page = page * 2 or min(QUEUE_PAGE, max(FIRST_PAGE_MIN, 2 * room.openings()))
             read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
             # A job submitted since the new ones were read may be among them (read again,
@@ -865,7 +906,6 @@ class Reconciler:
             telling(read)
             if len(read) < page:  # the whole queue after all
                 return self._read_whole(leadership, reasons, time.monotonic(), now, placed, head)
-            page *= 2
         seen = {job.id for job in head}
         return placed + head + [j for j in new if j.id not in seen], None
 

@@ -25,6 +25,62 @@ FREE = "waiting for nodes: needs {n}, too few are free; other jobs hold the rest
 TOO_FEW_ALIVE = "waiting for nodes: needs {n}, too few nodes are alive"
 
 
+def test_a_room_left_after_taking_nodes_is_the_room_worked_out_afresh() -> None:
+    """``Room.taking`` on "cpu" derives what is left from the room it took from; it must
+    answer every question as a room worked out from the nodes again would."""
+    now = FakeClock().now
+    alive = [
+        NodeView(1, NodeState.ALIVE, now, 1),
+        NodeView(2, NodeState.ALIVE, now, 4, gpus=(0, 1)),
+        NodeView(3, NodeState.ALIVE, now, 2),
+        NodeView(4, NodeState.ALIVE, now, 4, gpus=(0, 1, 2, 3)),
+        NodeView(5, NodeState.ALIVE, now, 4),
+    ]
+    room = Room(alive, whole={3}, held={4: {0}}, owners={4: {7}})
+    assert room.openings() == 3 + 2 + 3  # nodes 1, 2, 5 idle; GPUs 0, 1 of 2, 1-3 of 4
+    taken = room.taking("cpu", (1, 2), ())
+    fresh = Room(alive, whole={1, 2, 3}, held={4: {0}}, owners={4: {7}})
+    for device in ("cpu", "cuda"):
+        for per_node in (1, 2, 4):
+            for owner in (None, 7, 8):
+                for gpu_less in (False, True):
+                    asked = (device, per_node, owner, gpu_less)
+                    assert taken.fitting(*asked) == fresh.fitting(*asked), asked  # type: ignore[arg-type]
+    assert (taken.is_full(), taken.openings()) == (fresh.is_full(), fresh.openings()) == (False, 4)
+    assert room.fitting("cpu", 1) == [(1, ()), (5, ()), (2, ())]  # the room taken from is as it was
+    assert room.taking("cpu", (1, 2, 5), ()).taking("cuda", (4,), ((1, 2, 3),)).is_full()
+
+
+def test_the_first_page_of_the_queue_is_sized_to_the_rooms_openings(
+    api: Cluster, counted: Reconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One node of three free and a deep queue: the pass reads a page of twice its one
+    opening (or ``FIRST_PAGE_MIN``), not ``QUEUE_PAGE`` jobs, and places the oldest job."""
+    monkeypatch.setattr(reconciler_module, "FIRST_PAGE_MIN", 1)
+    nodes = [register(api, name) for name in "abc"]
+    api.user_token = api.add_user("queue", max_active_jobs=100, max_nodes=100)
+    holders = [submit(api, "1:1") for _ in range(2)]
+    counted.run_once()  # the first of a term reads the queue whole
+    queued = [submit(api, "1:1") for _ in range(40)]
+    counted.run_once()  # places the oldest of them, tells the others why they wait
+    assert [job(api, i)["state"] for i in holders + queued[:2]] == ["RUNNING"] * 3 + ["PENDING"]
+    finish(api, holders[0])
+    limits: list[int | None] = []
+    real = reconciler_module.read_queue
+
+    def spied(*args: Any, limit: int | None = None, **kwargs: Any) -> list[Any]:
+        limits.append(limit)
+        return real(*args, limit=limit, **kwargs)
+
+    monkeypatch.setattr(reconciler_module, "read_queue", spied)
+    for node_id in nodes:
+        heartbeat(api, node_id)
+    actions = counted.run_once()
+    assert [(type(a), a.job_id) for a in actions] == [(PlaceJob, queued[1])]
+    assert limits == [None, 2]  # the new jobs (none), then one page of two
+    assert reads(counted)["head"] == 2
+
+
 def test_a_room_is_full_when_no_node_and_no_gpu_is_free() -> None:
     cpu = [
         NodeView(1, NodeState.ALIVE, FakeClock().now, 1),
@@ -40,9 +96,21 @@ def test_a_room_is_full_when_no_node_and_no_gpu_is_free() -> None:
     assert Room([], whole=set(), held={}).is_full()
 
 
+@pytest.fixture(params=["one job", "twice the openings"])
+def small_pages(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pages small enough that a queue of a few jobs has a head and a tail: of one job
+    each, or a first page of twice the room's openings (as a pass reads a deep queue),
+    then doubling."""
+    if request.param == "one job":
+        monkeypatch.setattr(reconciler_module, "QUEUE_PAGE", 1)
+    else:
+        monkeypatch.setattr(reconciler_module, "FIRST_PAGE_MIN", 1)
+    yield
+
+
 @pytest.fixture
-def small_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Pages of one job, so that a queue of a few jobs has a head and a tail."""
+def one_job_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pages of one job: a queue of one job is read as a page, not found whole."""
     monkeypatch.setattr(reconciler_module, "QUEUE_PAGE", 1)
     yield
 
@@ -237,7 +305,7 @@ def test_a_waiting_job_queued_before_the_unread_jobs_is_placed_as_a_whole_read_w
     counted: Reconciler,
     settings: ControllerSettings,
     clock: FakeClock,
-    small_pages: None,
+    one_job_pages: None,
 ) -> None:
     """A job that lost a node WAITs; it is older than a PENDING job that asks the same. When
     a node is freed (no change of the nodes' shape: a head read), the waiting job is placed
