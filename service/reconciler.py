@@ -784,6 +784,7 @@ class Reconciler:
         """One pass: renew (or take) the lease, then plan and apply; a standby does nothing.
         A leader's pass is timed into ``relaunch_reconcile_pass_seconds``, lease included."""
         started = time.perf_counter()
+        phase = _PhaseTimer(self._metrics)
         now = self._clock()
         node_timeout = timedelta(seconds=self._settings.node_timeout_s)
         leadership = self._lead(now)
@@ -791,7 +792,8 @@ class Reconciler:
             self._metrics.leader.set(0 if leadership is None else 1)
         if leadership is None:
             return []
-        actions = self._plan_and_apply(leadership, now, node_timeout)
+        phase.done("lease")
+        actions = self._plan_and_apply(leadership, now, node_timeout, phase)
         if self._metrics is not None:
             self._metrics.reconcile_pass.observe(time.perf_counter() - started)
             self._metrics.leader.set(0 if self._leadership is None else 1)
@@ -800,17 +802,17 @@ class Reconciler:
         return actions
 
     def _plan_and_apply(
-        self, leadership: Leadership, now: datetime, node_timeout: timedelta
+        self, leadership: Leadership, now: datetime, node_timeout: timedelta, phase: _PhaseTimer
     ) -> list[Action]:
-        phase = _PhaseTimer(self._metrics)
         share = self._settings.share_gpu_nodes_across_users
         with transaction(self._factory) as session:
             nodes, placed = read_fleet(
                 session, self._specs, self._settings.heartbeat_interval_s, self._leading_since
             )
             fleet = Fleet(now, nodes, node_timeout)
+            phase.done("fleet")
             jobs, whole = self._with_queue(session, leadership, now, fleet, placed)
-        phase.done("load")
+        phase.done("queue")
         actions = plan(now, nodes, jobs, node_timeout, share, fleet)
         phase.done("plan")
         self._apply_all(leadership, actions, now)

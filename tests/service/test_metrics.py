@@ -147,6 +147,8 @@ def test_jobs_and_nodes_by_state_follow_the_database(api: Cluster, reconciler: R
     assert value(placed, "relaunch_jobs", state="RUNNING") == 1
     assert value(placed, "relaunch_nodes", state="ALIVE") == 1
     assert value(placed, "relaunch_reconcile_pass_seconds_count") == 1
+    for phase in ("lease", "fleet", "queue", "plan", "apply"):
+        assert value(placed, "relaunch_reconcile_phase_seconds_count", phase=phase) == 1, phase
     assert value(placed, "relaunch_reconcile_actions_total", action="PlaceJob") == 1
     assert value(placed, "relaunch_controller_leader") == 1
     text = api.get("/metrics").text
