@@ -433,7 +433,7 @@ def read_fleet(
     are ``read_queue``'s. A node last heard from before ``heard_since`` counts as heard
     from then (``Reconciler``: heartbeats sent while no controller led may be unrecorded).
 
-    A fixed number of statements however many jobs are open: nodes, placed jobs,
+    A fixed number of statements however many jobs are open: nodes, placed jobs with
     their running attempts, every active member (of any attempt), and the specs of
     the jobs ``specs`` lacks (one statement per ``chunked`` run of them), which are
     added to it; the views are put together here. A job with two running attempts is
@@ -456,20 +456,23 @@ def read_fleet(
         Node.heartbeat_interval_s,
     )
     node_rows = db.execute(select(*node_columns)).all()
-    placed = Job.state.in_([s for s in JobState if s.is_placed()])
-    rows = db.execute(select(*_JOB_COLUMNS).where(placed)).all()
-    running = (
-        select(Attempt.id, Attempt.job_id, Attempt.device)
-        .join(Job, Job.id == Attempt.job_id)
-        .where(placed, Attempt.state == AttemptState.RUNNING)
+    # Each placed job with its running attempt, if any, in one statement.
+    placed = (
+        select(*_JOB_COLUMNS, Attempt.id, Attempt.device)
+        .outerjoin(Attempt, and_(Attempt.job_id == Job.id, Attempt.state == AttemptState.RUNNING))
+        .where(Job.state.in_([s for s in JobState if s.is_placed()]))
     )
+    rows: list[Any] = []
     attempt_of: dict[int, int] = {}
     device_of: dict[int, Device] = {}
-    for running_id, job_id, device in db.execute(running).all():
-        if job_id in attempt_of:
-            raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
-        attempt_of[job_id] = running_id
-        device_of[running_id] = stored_device(device)
+    for *row, running_id, device in db.execute(placed).all():
+        job_id = cast(int, row[0])
+        if running_id is not None:
+            if job_id in attempt_of:
+                raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
+            attempt_of[job_id] = running_id
+            device_of[running_id] = stored_device(device)
+        rows.append(row)
     members = held_now()
     members_of: dict[int, list[int]] = defaultdict(list)
     gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
