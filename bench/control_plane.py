@@ -37,6 +37,7 @@ import gc
 import json
 import math
 import multiprocessing
+import os
 import re
 import secrets
 import statistics
@@ -150,6 +151,13 @@ class ReadPhase:
     conditional: bool
 
 
+# The tree this bench is in. The controller and every process it starts import their code
+# from it (``PYTHONPATH``), so that the bench run from a checkout of other code (a ``git
+# worktree`` of the commit before) measures that code in every process: the reconciler's
+# process and the API's helpers start with ``python -P``, which leaves the working directory
+# off the path, and would import what the environment has installed.
+CODE_ROOT = Path(__file__).resolve().parents[1]
+
 # The phases of a pass (``relaunch_reconcile_phase_seconds``): its lease, reading the
 # nodes and placed jobs, reading the queue, planning, applying; "load" is the two reads
 # together, as controllers timed them before they were timed apart.
@@ -195,6 +203,9 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
         env["RELAUNCH_HEARTBEAT_ONE_STATEMENT"] = "false"
     if options.heartbeats_per_s_max is not None:
         env["RELAUNCH_HEARTBEATS_PER_S_MAX"] = f"{options.heartbeats_per_s_max:g}"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(CODE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     database = None
     if options.db == "postgresql":
         database = f"relaunch_bench_{uuid.uuid4().hex[:12]}"
@@ -268,6 +279,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         register_s = time.monotonic() - started
 
         controller = psutil.Process(cluster.procs["controller"].pid)
+        code = code_roots(controller)
         me = psutil.Process()
         phases = _read_phases(job_ids[0])
         pool = (
@@ -333,7 +345,19 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
     result["setup"]["registrations"] = vars(registrations)
     result["offered"] = offered(stats, running, wall)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
+    result["code"] = {"root": str(CODE_ROOT), "processes_by_root": code}
     return result
+
+
+def code_roots(controller: psutil.Process) -> dict[str, int]:
+    """How many of the controller's processes import their code from where: the first
+    entry of each one's ``PYTHONPATH`` (``CODE_ROOT``, as the bench sets it)."""
+    roots: dict[str, int] = {}
+    for process in [controller, *controller.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            root = process.environ().get("PYTHONPATH", "").split(os.pathsep)[0] or "(none)"
+            roots[root] = roots.get(root, 0) + 1
+    return roots
 
 
 def fleet_start(
@@ -916,6 +940,12 @@ def print_table(result: dict[str, Any]) -> None:
             + (f"; errors {read['errors']}" if read["errors"] else ""),
         )
     console.print(table)
+    if "code" in result:
+        roots = result["code"]["processes_by_root"]
+        console.print(
+            f"code: {sum(roots.values())} controller processes, importing from "
+            + ", ".join(f"{root} ({n})" for root, n in roots.items())
+        )
     slow = rec["slow_passes_logged"]
     if slow["count"]:
         console.print(

@@ -14,6 +14,7 @@ import pytest
 
 from bench.control_plane import (
     BASELINES,
+    CODE_ROOT,
     Options,
     histogram_quantile,
     poll,
@@ -61,6 +62,9 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     ]
     assert all(r["requests"] > 0 and r["offered_per_s"] == 20 for r in result["reads"])
     assert result["controller"]["rss_mib_max"] > 0
+    # Every process of the controller (its own, its reconciler's) runs the bench's tree.
+    roots = result["code"]["processes_by_root"]
+    assert list(roots) == [str(CODE_ROOT)] and roots[str(CODE_ROOT)] >= 2, roots
     load = result["offered"]
     assert load["runs_running_max"] >= 1 and load["runs_running_mean"] > 0, load
     assert load["runs_per_job_placed"] >= 1, load
