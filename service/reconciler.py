@@ -461,6 +461,7 @@ def read_fleet(
         select(*_JOB_COLUMNS, Attempt.id, Attempt.device)
         .outerjoin(Attempt, and_(Attempt.job_id == Job.id, Attempt.state == AttemptState.RUNNING))
         .where(Job.state.in_([s for s in JobState if s.is_placed()]))
+        .order_by(Job.id)  # the same input to ``plan`` whatever order the join returns
     )
     rows: list[Any] = []
     attempt_of: dict[int, int] = {}
@@ -850,7 +851,8 @@ class Reconciler:
         no more of the queue than any other pass. Otherwise the jobs that
         do not yet say why they wait (new ones) are read, for ``plan`` to explain, and
         the queue is read oldest first, a page at a time (the first of twice as many jobs
-        as the room has openings, from ``FIRST_PAGE_MIN`` to ``QUEUE_PAGE``; doubling), up
+        as the room has openings, from ``FIRST_PAGE_MIN`` to ``QUEUE_PAGE``; then
+        ``QUEUE_PAGE``, doubling), up
         to where the room the jobs read leave takes none of the asks (``job_ask``) of the
         queue: those of the last whole read and of every job read since, a set that
         holds every PENDING job's. No job after that point could be placed (``plan``
@@ -902,8 +904,12 @@ class Reconciler:
             if room.is_full() or not takes_any(room, last.told, gpu_nodes):
                 break
             # A job placed takes an opening at least: a first page of twice as many jobs
-            # as there are openings is most often all a pass needs.
-            page = page * 2 or min(QUEUE_PAGE, max(FIRST_PAGE_MIN, 2 * room.openings()))
+            # as there are openings is most often all a pass needs. One that was not (its
+            # jobs did not fit) is followed by pages as before: QUEUE_PAGE, doubling.
+            if page == 0:
+                page = min(QUEUE_PAGE, max(FIRST_PAGE_MIN, 2 * room.openings()))
+            else:
+                page = max(QUEUE_PAGE, page * 2)
             read = read_queue(session, self._specs, after=upto, limit=page)
             head += read
             # A job submitted since the new ones were read may be among them (read again,
