@@ -83,8 +83,9 @@ class ReconcilerMetrics:
         )
         self.reconcile_phase = Histogram(
             "relaunch_reconcile_phase_seconds",
-            "Time of each phase of a pass: load (read nodes and open jobs), plan (decide), "
-            "apply (one transaction per action)",
+            "Time of each phase of a pass: lease (renew it), fleet (read the nodes and the "
+            "placed jobs), queue (read as much of the queue as the pass needs), plan (decide), "
+            "apply (the actions, in transactions of their own or in batches)",
             ["phase"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
