@@ -350,12 +350,20 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
 
 
 def code_roots(controller: psutil.Process) -> dict[str, int]:
-    """How many of the controller's processes import their code from where: the first
-    entry of each one's ``PYTHONPATH`` (``CODE_ROOT``, as the bench sets it)."""
+    """How many of the controller's processes import the service's code from where, as
+    Python looks for it: first in the working directory, unless started with ``-P`` (the
+    controller itself runs ``python -m``, which puts it first), then along ``PYTHONPATH``
+    (``CODE_ROOT`` first, as the bench sets it); "(installed)" where neither holds it."""
     roots: dict[str, int] = {}
     for process in [controller, *controller.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            root = process.environ().get("PYTHONPATH", "").split(os.pathsep)[0] or "(none)"
+            path = process.environ().get("PYTHONPATH", "").split(os.pathsep)
+            if "-P" not in process.cmdline():
+                path.insert(0, process.cwd())
+            root = next(
+                (p for p in path if p and (Path(p) / "service" / "__init__.py").is_file()),
+                "(installed)",
+            )
             roots[root] = roots.get(root, 0) + 1
     return roots
 
