@@ -38,25 +38,39 @@ def test_a_room_left_after_taking_nodes_is_the_room_worked_out_afresh() -> None:
     ]
     room = Room(alive, whole={3}, held={4: {0}}, owners={4: {7}})
     assert room.openings() == 3 + 2 + 3  # nodes 1, 2, 5 idle; GPUs 0, 1 of 2, 1-3 of 4
+    questions = [
+        (device, per_node, owner, gpu_less)
+        for device in ("cpu", "cuda")
+        for per_node in (1, 2, 4)
+        for owner in (None, 7, 8)
+        for gpu_less in (False, True)
+    ]
+    # Asked before it is taken from, so that every answer it keeps is worked out.
+    answers = [room.fitting(*asked) for asked in questions]  # type: ignore[arg-type]
     taken = room.taking("cpu", (1, 2), ())
     fresh = Room(alive, whole={1, 2, 3}, held={4: {0}}, owners={4: {7}})
-    for device in ("cpu", "cuda"):
-        for per_node in (1, 2, 4):
-            for owner in (None, 7, 8):
-                for gpu_less in (False, True):
-                    asked = (device, per_node, owner, gpu_less)
-                    assert taken.fitting(*asked) == fresh.fitting(*asked), asked  # type: ignore[arg-type]
+    for asked in questions:
+        assert taken.fitting(*asked) == fresh.fitting(*asked), asked  # type: ignore[arg-type]
     assert (taken.is_full(), taken.openings()) == (fresh.is_full(), fresh.openings()) == (False, 4)
-    assert room.fitting("cpu", 1) == [(1, ()), (5, ()), (2, ())]  # the room taken from is as it was
+    # The room taken from answers as it did.
+    assert [room.fitting(*asked) for asked in questions] == answers  # type: ignore[arg-type]
+    assert room.fitting("cpu", 1) == [(1, ()), (5, ()), (2, ())]
     assert room.taking("cpu", (1, 2, 5), ()).taking("cuda", (4,), ((1, 2, 3),)).is_full()
 
 
+@pytest.mark.parametrize(("first_page_min", "page"), [(1, 2), (None, 16)])
 def test_the_first_page_of_the_queue_is_sized_to_the_rooms_openings(
-    api: Cluster, counted: Reconciler, monkeypatch: pytest.MonkeyPatch
+    api: Cluster,
+    counted: Reconciler,
+    monkeypatch: pytest.MonkeyPatch,
+    first_page_min: int | None,
+    page: int,
 ) -> None:
     """One node of three free and a deep queue: the pass reads a page of twice its one
-    opening (or ``FIRST_PAGE_MIN``), not ``QUEUE_PAGE`` jobs, and places the oldest job."""
-    monkeypatch.setattr(reconciler_module, "FIRST_PAGE_MIN", 1)
+    opening, or ``FIRST_PAGE_MIN`` (16) if that is more, not ``QUEUE_PAGE`` jobs, and places
+    the oldest job."""
+    if first_page_min is not None:
+        monkeypatch.setattr(reconciler_module, "FIRST_PAGE_MIN", first_page_min)
     nodes = [register(api, name) for name in "abc"]
     api.user_token = api.add_user("queue", max_active_jobs=100, max_nodes=100)
     holders = [submit(api, "1:1") for _ in range(2)]
@@ -77,7 +91,7 @@ def test_the_first_page_of_the_queue_is_sized_to_the_rooms_openings(
         heartbeat(api, node_id)
     actions = counted.run_once()
     assert [(type(a), a.job_id) for a in actions] == [(PlaceJob, queued[1])]
-    assert limits == [None, 2]  # the new jobs (none), then one page of two
+    assert limits == [None, page]  # the new jobs (none), then one page
     assert reads(counted)["head"] == 2
 
 
