@@ -161,20 +161,18 @@ class Room:
     def _set_idle(self, idle: list[NodeRoom]) -> None:
         """The nodes no attempt holds, in the order "cpu" takes them."""
         self._idle_nodes = idle
-        self._any_idle = bool(idle)
-        self._idle_count = len(idle)
         self._idle = BySlots(idle)
         self._idle_gpu_less = BySlots([n for n in idle if not n.gpus])
 
     def is_full(self) -> bool:
         """Whether no attempt, on any device, of any owner and of any size, could take
         anything here: every node is held whole or has no GPU free."""
-        return not self._any_idle and not any(self._free_gpus.values())
+        return not self._idle_nodes and not any(self._free_gpus.values())
 
     def openings(self) -> int:
         """At most how many attempts this room could take: one on "cpu" for each node
         no attempt holds, one on "cuda" for each free GPU."""
-        return self._idle_count + sum(len(free) for free in self._free_gpus.values())
+        return len(self._idle_nodes) + sum(len(free) for free in self._free_gpus.values())
 
     def _free_for(self, owner: Owner) -> dict[int, list[int]]:
         """The free GPUs, by node, of the nodes an attempt of ``owner`` on "cuda" may share."""
