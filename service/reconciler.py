@@ -344,7 +344,7 @@ def _place_queue(
         running.append((job, remaining))
 
     pending: list[JobView] = []
-    for job in sorted(jobs, key=lambda j: (j.created_at, j.id)):
+    for job in sorted(jobs, key=queue_key):
         if job.state is JobState.WAITING and job.waiting_since is not None:
             if now - job.waiting_since > timedelta(seconds=job.spec.wait_for_nodes_s):
                 if actions is not None:
