@@ -44,6 +44,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -142,6 +143,10 @@ class Options:
     # the burst of the fleet's start (every node free at once, a placement wave, its
     # reports) drains meanwhile; the heartbeats it saw are reported apart.
     settle_s: float = 30.0
+    # Whether this process's garbage collector is held while the fleet settles and is
+    # measured (``_collector_held``). The simulated nodes stand for as many agent processes:
+    # one pause of this process stops them all at once, which no real fleet does.
+    hold_own_collector: bool = True
 
 
 @dataclass(frozen=True)
@@ -292,6 +297,8 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             # counts from here.
             if pool is not None:
                 pool.starmap(_reader_ready, [()] * options.readers)
+            if options.hold_own_collector:
+                _hold_collector()
             await asyncio.sleep(options.settle_s)
             before = await _scrape(http, metrics_token)
             cpu_before, my_cpu_before = _cpu_split(controller), _cpu(me)
@@ -303,6 +310,9 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             rss: list[int] = []
             running: list[int] = []
             latest: list[tuple[float, Samples]] = []
+            lags: list[float] = []
+            own_gc = _OwnCollections()
+            gc.callbacks.append(own_gc)
             reads, *_ = await asyncio.gather(
                 asyncio.to_thread(
                     _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
@@ -312,8 +322,10 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 _watch_metrics(http, metrics_token, until[0], latest),
                 _sample_rss(controller, until[0], rss),
                 _sample_running(stats, until[0], running),
+                _sample_lag(until[0], lags),
                 *serving,
             )
+            gc.callbacks.remove(own_gc)
             wall = time.monotonic() - start
             cpu_after = _cpu_split(controller)
             cpu = (
@@ -334,6 +346,8 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 # The last scrape that answered; none: nothing of the controller's own.
                 metrics_s, after = (latest[-1][0] - start, latest[-1][1]) if latest else (0, before)
         finally:
+            gc.enable()
+            gc.unfreeze()
             if pool is not None:
                 pool.terminate()
     result = _result(
@@ -346,7 +360,53 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
     result["offered"] = offered(stats, running, wall)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     result["code"] = {"root": str(CODE_ROOT), "processes_by_root": code}
+    result["bench_loop"] = {
+        "lag_p99_ms": quantile(lags, 0.99),
+        "lag_max_ms": max(lags, default=float("nan")),
+        "stalls_over_50_ms": sum(lag > 50 for lag in lags),
+        "collections": len(own_gc.pauses_ms),
+        "collections_ms": sum(own_gc.pauses_ms),
+        "collection_max_ms": max(own_gc.pauses_ms, default=0.0),
+    }
     return result
+
+
+LAG_TICK_S = 0.01
+
+
+def _hold_collector() -> None:
+    """Collect once, then leave what this process holds out of later collections and run
+    none until ``gc.enable``: a collection stops every simulated node in this process at
+    once (one took up to 165 ms at 1,000 nodes), then their heartbeats due meanwhile
+    reach the controller together, a burst no fleet of separate agents sends. Reference
+    counting still frees what is not in a cycle; the cycles made in the window (about
+    70 s) wait for the end of the run."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
+
+async def _sample_lag(until: float, lags: list[float]) -> None:
+    """How late this process's event loop wakes a sleep of ``LAG_TICK_S`` (ms), until
+    ``until``: its simulated nodes send and read nothing while it is late."""
+    while time.monotonic() < until:
+        asked = time.perf_counter()
+        await asyncio.sleep(LAG_TICK_S)
+        lags.append((time.perf_counter() - asked - LAG_TICK_S) * 1000)
+
+
+class _OwnCollections:
+    """The pauses of this process's garbage collector (ms), as a ``gc.callbacks`` entry."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses_ms.append((time.perf_counter() - self._started) * 1000)
 
 
 def code_roots(controller: psutil.Process) -> dict[str, int]:
@@ -641,6 +701,45 @@ def offered(stats: FleetStats, running: list[int], wall: float) -> dict[str, flo
     }
 
 
+def _spread(ms: list[float]) -> dict[str, float]:
+    """How many, and their p50 and p99 (nan if none)."""
+    return {"count": len(ms), "p50_ms": quantile(ms, 0.5), "p99_ms": quantile(ms, 0.99)}
+
+
+def tail_of(
+    beats: list[tuple[float, float]], reports: list[tuple[float, float]], p99_ms: float
+) -> dict[str, Any]:
+    """Where in time the slowest hundredth of the heartbeats (``beats``: when each was
+    sent, ``time.monotonic``, and its ms; at or above ``p99_ms``) were sent: in how many
+    distinct seconds of the window, and the three seconds with the slowest heartbeats,
+    each with the heartbeats and reports sent in it and the heartbeats' median."""
+    if not beats:
+        return {"slow": 0, "seconds": 0, "worst": []}
+    t0 = min(sent for sent, _ in beats)
+    by_second: dict[int, list[float]] = defaultdict(list)
+    for sent, ms in beats:
+        by_second[int(sent - t0)].append(ms)
+    reports_in = Counter(int(sent - t0) for sent, _ in reports)
+    slow = [int(sent - t0) for sent, ms in beats if ms >= p99_ms]
+    worst = sorted(by_second, key=lambda second: max(by_second[second]), reverse=True)[:3]
+    return {
+        "slow": len(slow),
+        "seconds": len(set(slow)),
+        "of_seconds": len(by_second),
+        "worst": [
+            {
+                "second": second,
+                "heartbeats": len(by_second[second]),
+                "reports": reports_in[second],
+                "p50_ms": quantile(by_second[second], 0.5),
+                "max_ms": max(by_second[second]),
+                "slow": slow.count(second),
+            }
+            for second in worst
+        ],
+    }
+
+
 def _cpu(process: psutil.Process) -> float:
     times = process.cpu_times()
     return float(times.user + times.system)
@@ -837,6 +936,10 @@ def _result(
             "interval_told_s_max": stats.interval_told_s_max,
             "p50_ms": quantile(stats.heartbeat_ms, 0.5),
             "p99_ms": heartbeat_p99,
+            # Those whose answer started a run on the node (made the long way), and the rest.
+            "starting": _spread(stats.starting_ms),
+            "others": _spread(stats.steady_ms),
+            "tail": tail_of(stats.heartbeat_sent, stats.report_sent, heartbeat_p99),
             "server_mean_ms": 1000 * heartbeat_server / heartbeat_server_n
             if heartbeat_server_n
             else float("nan"),
@@ -920,6 +1023,13 @@ def print_table(result: dict[str, Any]) -> None:
         f"controller's own p50 {hb['server_p50_ms']:.1f} / p99 "
         f"{hb['server_p99_ms']:.1f} ms, mean {hb['server_mean_ms']:.1f} ms"
         + (
+            f"; answers that started a run: {hb['starting']['count']}, p50 "
+            f"{hb['starting']['p50_ms']:.1f} / p99 {hb['starting']['p99_ms']:.1f} ms, the "
+            f"others p50 {hb['others']['p50_ms']:.1f} / p99 {hb['others']['p99_ms']:.1f} ms"
+            if "starting" in hb
+            else ""
+        )
+        + (
             f"; {hb['timed_out']} unanswered in {AGENT_TIMEOUT_S:g} s (counted at that)"
             if hb["timed_out"]
             else ""
@@ -931,6 +1041,20 @@ def print_table(result: dict[str, Any]) -> None:
             else ""
         ),
     )
+    tail = hb.get("tail")
+    if tail and tail["slow"]:
+        table.add_row(
+            "  its slowest hundredth (p99 and above)",
+            "",
+            "",
+            f"{tail['slow']} heartbeats sent in {tail['seconds']} of {tail['of_seconds']} "
+            "seconds; the worst seconds: "
+            + "; ".join(
+                f"{w['second']} s in: {w['slow']} of {w['heartbeats']} heartbeats slow, p50 "
+                f"{w['p50_ms']:.0f} / max {w['max_ms']:.0f} ms, {w['reports']} reports"
+                for w in tail["worst"]
+            ),
+        )
     table.add_row(
         "report answer (nodes' side)",
         f"{rep['p50_ms']:.1f}",
@@ -948,6 +1072,15 @@ def print_table(result: dict[str, Any]) -> None:
             + (f"; errors {read['errors']}" if read["errors"] else ""),
         )
     console.print(table)
+    if "bench_loop" in result:
+        loop = result["bench_loop"]
+        console.print(
+            f"the simulated nodes' event loop (this process): late by p99 "
+            f"{loop['lag_p99_ms']:.0f} ms, at most {loop['lag_max_ms']:.0f} ms, "
+            f"{loop['stalls_over_50_ms']} times over 50 ms; its garbage collections: "
+            f"{loop['collections']}, {loop['collections_ms']:.0f} ms in all, the longest "
+            f"{loop['collection_max_ms']:.0f} ms"
+        )
     if "code" in result:
         roots = result["code"]["processes_by_root"]
         console.print(
@@ -1128,6 +1261,12 @@ def main(argv: list[str] | None = None) -> None:
         "httpx's defaults), so that a node at a longer pace opens one for each heartbeat",
     )
     parser.add_argument(
+        "--baseline-bench-collects",
+        action="store_true",
+        help="first run the same load with the garbage collector of this process (the "
+        "simulated fleet's) running as Python runs it, not held while it measures",
+    )
+    parser.add_argument(
         "--api-processes",
         type=int,
         help="RELAUNCH_API_PROCESSES of the controller: processes that answer the API "
@@ -1250,6 +1389,12 @@ def print_side_by_side(
         ("reconcile pass p50 / p99 (ms)",
          lambda r: f"{r['reconcile']['p50_ms']:.0f} / {r['reconcile']['p99_ms']:.0f}"),
         ("reconcile pass mean (ms)", lambda r: f"{r['reconcile']['mean_ms']:.0f}"),
+        ("heartbeats at or above the p99: seconds they were sent in",
+         lambda r: _tail_seconds(r["heartbeat"].get("tail"))),
+        ("heartbeat p50 / p99: answers that started a run, others (ms)",
+         lambda r: _split(r["heartbeat"])),
+        ("the simulated fleet's loop: late p99 / max (ms), stalls over 50 ms",
+         lambda r: _loop(r.get("bench_loop"))),
         ("jobs placed", lambda r: f"{r['jobs']['placed']}"),
         ("runs under way, mean (max)",
          lambda r: f"{r['offered']['runs_running_mean']:.0f} ({r['offered']['runs_running_max']})"),
@@ -1291,6 +1436,31 @@ def _print_columns(title: str, runs: dict[str, dict[str, Any]], rows: list[Row])
     for label, cell in rows:
         table.add_row(label, *(cell(r) for r in runs.values()))
     console.print(table)
+
+
+def _tail_seconds(tail: dict[str, Any] | None) -> str:
+    if not tail:
+        return "-"
+    return f"{tail['slow']} in {tail['seconds']} of {tail['of_seconds']} s"
+
+
+def _split(beats: dict[str, Any]) -> str:
+    if "starting" not in beats:
+        return "-"
+    starting, others = beats["starting"], beats["others"]
+    return (
+        f"{starting['p50_ms']:.0f} / {starting['p99_ms']:.0f}, "
+        f"{others['p50_ms']:.0f} / {others['p99_ms']:.0f}"
+    )
+
+
+def _loop(loop: dict[str, Any] | None) -> str:
+    if not loop:
+        return "-"
+    return (
+        f"{loop['lag_p99_ms']:.0f} / {loop['lag_max_ms']:.0f}, {loop['stalls_over_50_ms']}; "
+        f"{loop['collections']} collections"
+    )
 
 
 def _same_load(title: str) -> Callable[[dict[str, dict[str, Any]]], None]:
@@ -1351,6 +1521,11 @@ BASELINES: dict[
         {"keep_alive_s": 5},
         ("5 s keep-alive", "kept alive"),
         _same_load("idle connections closed after 5 s or kept"),
+    ),
+    "baseline_bench_collects": (
+        {"hold_own_collector": False},
+        ("bench collects", "bench's collector held"),
+        _same_load("the simulated fleet's own garbage collector running or held"),
     ),
     "baseline_one_api_process": (
         {"api_processes": 1, "api_threads": None},

@@ -85,6 +85,13 @@ class FleetStats:
     """What the nodes saw, client side."""
 
     heartbeat_ms: list[float] = field(default_factory=list)
+    # Of those, the heartbeats whose answer started a run the node did not run yet: the
+    # controller makes them the long way (a transaction, worker tokens, a first rendering).
+    starting_ms: list[float] = field(default_factory=list)
+    steady_ms: list[float] = field(default_factory=list)  # the other answers (200s)
+    # When each heartbeat and report was sent (``time.monotonic``), beside its time taken.
+    heartbeat_sent: list[tuple[float, float]] = field(default_factory=list)
+    report_sent: list[tuple[float, float]] = field(default_factory=list)
     heartbeat_timeouts: int = 0
     # The longest heartbeat interval the controller told a node (its pace).
     interval_told_s_max: float = 0.0
@@ -213,7 +220,7 @@ class SimNode:
 
     async def _heartbeat(self) -> None:
         running = [RunningAttempt(attempt_id=a, processes=1) for a in self._runs]
-        start = time.perf_counter()
+        sent, start = time.monotonic(), time.perf_counter()
         try:
             response = await self._http.post(
                 f"{API}/nodes/{self._node_id}/heartbeat",
@@ -223,13 +230,16 @@ class SimNode:
         except httpx.TimeoutException as exc:
             # Unanswered within the agent's timeout: counted at what it waited, a lower bound.
             self._stats.heartbeat_ms.append((time.perf_counter() - start) * 1000)
+            self._stats.heartbeat_sent.append((sent, self._stats.heartbeat_ms[-1]))
             self._stats.heartbeat_timeouts += 1
             self._stats.error(f"heartbeat {type(exc).__name__}")
             return
         except httpx.HTTPError as exc:
             self._stats.error(f"heartbeat {type(exc).__name__}")
             return
-        self._stats.heartbeat_ms.append((time.perf_counter() - start) * 1000)
+        took_ms = (time.perf_counter() - start) * 1000
+        self._stats.heartbeat_ms.append(took_ms)
+        self._stats.heartbeat_sent.append((sent, took_ms))
         if response.status_code != 200:
             self._stats.error(f"heartbeat {response.status_code}")
             return
@@ -243,14 +253,17 @@ class SimNode:
         wanted = {a.attempt_id for a in reply.assignments}
         for attempt_id in [a for a in self._runs if a not in wanted]:
             self._runs[attempt_id][1].cancel()  # no longer assigned: the run stops
+        started = False
         for assignment in reply.assignments:
             key = (assignment.attempt_id, assignment.member_id)
             if assignment.attempt_id in self._runs or key in self._finished:
                 continue
+            started = True
             self._stats.runs_started += 1
             self._stats.jobs_placed.add(assignment.job_id)
             task = asyncio.create_task(self._run(key, assignment.active_members or 1))
             self._runs[assignment.attempt_id] = (key, task)
+        (self._stats.starting_ms if started else self._stats.steady_ms).append(took_ms)
 
     @property
     def _auth(self) -> dict[str, str]:
@@ -360,7 +373,7 @@ class SimNode:
         )
         body = report.model_dump(mode="json")
         for _ in range(3):
-            start = time.perf_counter()
+            sent, start = time.monotonic(), time.perf_counter()
             try:
                 response = await self._http.post(
                     f"{API}/nodes/{self._node_id}/reports", json=body, headers=self._auth
@@ -369,6 +382,7 @@ class SimNode:
                 self._stats.error(f"report {type(exc).__name__}")
                 return False
             self._stats.report_ms.append((time.perf_counter() - start) * 1000)
+            self._stats.report_sent.append((sent, self._stats.report_ms[-1]))
             if response.status_code == 200:
                 return True
             if response.status_code == 409:

@@ -21,6 +21,7 @@ from bench.control_plane import (
     print_table,
     run,
     share_within,
+    tail_of,
 )
 from bench.sim_nodes import Training
 
@@ -44,7 +45,14 @@ def test_the_simulated_nodes_run_the_submitted_jobs(tmp_path: Path) -> None:
     assert jobs["placed"] >= 2, jobs
     assert jobs["by_state_at_end"]["SUCCEEDED"] >= 1, jobs
     assert jobs["runs_succeeded"] >= 1, jobs
-    assert result["heartbeat"]["count"] > 0
+    beats = result["heartbeat"]
+    assert beats["count"] > 0
+    # Answers that started a run and the others are told apart; each answer counts once.
+    assert beats["others"]["count"] > 0, beats
+    assert beats["starting"]["count"] + beats["others"]["count"] <= beats["count"], beats
+    assert beats["tail"]["slow"] >= 1 and beats["tail"]["seconds"] >= 1, beats["tail"]
+    loop = result["bench_loop"]  # its own collector held while it measured
+    assert loop["collections"] == 0 and loop["lag_max_ms"] >= 0, loop
     assert result["reconcile"]["passes"] > 0
     assert result["reconcile"]["actions"].get("PlaceJob", 0) >= 2
     assert result["nodes_by_state_at_end"]["ALIVE"] == 4
@@ -82,6 +90,26 @@ def test_quantiles_from_cumulative_buckets() -> None:
     assert histogram_quantile(0.99, cumulative) == 0.5  # in +Inf: the largest finite bound
     assert share_within(cumulative, 0.1) == 0.5
     assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) != 0.0  # NaN
+
+
+def test_the_slowest_heartbeats_are_placed_in_the_seconds_they_were_sent() -> None:
+    # Sent over three seconds from t = 100: second 1 holds the slow ones and two reports.
+    beats = [(100.0, 10.0), (100.5, 12.0), (101.1, 300.0), (101.2, 250.0), (101.9, 11.0)]
+    beats.append((102.3, 40.0))
+    reports = [(101.0, 5.0), (101.5, 6.0), (102.0, 7.0)]
+    tail = tail_of(beats, reports, p99_ms=250.0)
+    assert (tail["slow"], tail["seconds"], tail["of_seconds"]) == (2, 1, 3)
+    worst = tail["worst"]
+    assert [w["second"] for w in worst] == [1, 2, 0]  # by their slowest heartbeat
+    assert worst[0] == {
+        "second": 1,
+        "heartbeats": 3,
+        "reports": 2,
+        "p50_ms": 250.0,
+        "max_ms": 300.0,
+        "slow": 2,
+    }
+    assert tail_of([], [], p99_ms=float("nan")) == {"slow": 0, "seconds": 0, "worst": []}
 
 
 def test_every_baseline_changes_fields_the_options_have() -> None:
