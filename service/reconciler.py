@@ -660,16 +660,18 @@ def rest_after(
     interval_s: float,
     lease_s: float,
     node_timeout_s: float,
+    lease_age_s: float = 0.0,
 ) -> float:
     """How long the loop rests after a pass that took ``took_s`` (wall time), ``cpu_s`` of
     it on a CPU (its thread's time, when it held the interpreter lock the API's threads
     need): long enough that passes take at most ``max_share`` of the CPU time, but never so
-    long that more than a third of the lease would pass between this pass's renewal and
-    the next one's, nor that the next pass would count as ``stalled`` (half the node
-    timeout after this pass began, less an interval). A pass that waited on the database
-    rests no longer for it."""
+    long that more than a third of the lease would pass between its last renewal (
+    ``lease_age_s`` before this pass began; 0: this pass renewed it) and the next pass,
+    nor that the next pass would count as ``stalled`` (half the node timeout after this
+    pass began, less an interval). A pass that waited on the database rests no longer
+    for it."""
     wanted = cpu_s * (1 - max_share) / max_share
-    lease = lease_s / 3 - took_s
+    lease = lease_s / 3 - lease_age_s - took_s
     stall = node_timeout_s / 2 - interval_s - took_s
     return max(0.0, min(wanted, lease, stall))
 
@@ -726,6 +728,10 @@ WHOLE_READ_EVERY_S = 300.0
 # reason makes a pass read the queue whole again: while a fleet starts, every
 # registration can change one.
 SHAPE_READ_EVERY_S = 10.0
+# How old a leader lets its lease grow, as a share of it, before a pass renews it: a
+# leader that stalls keeps at least the rest (7.5 s of a 10 s lease) before a standby
+# may take over, and passes in between read nothing for the lease.
+LEASE_RENEW_AFTER = 0.25
 # The most placements applied in one transaction (``Reconciler._apply_all``): more take
 # fewer statements in all, and hold their nodes' locks, which heartbeats wait on, longer.
 PLACE_BATCH = 100
@@ -779,6 +785,8 @@ class Reconciler:
         # (at least): the asks of that read, and of every job read since (``_with_queue``).
         self._whole_read: WholeRead | None = None
         self.place_batch = PLACE_BATCH
+        # How old the lease was as the last pass began (0: that pass renewed it).
+        self.lease_age_s = 0.0
 
     @property
     def is_leader(self) -> bool:
@@ -1014,6 +1022,16 @@ class Reconciler:
                 )
 
     def _lead(self, now: datetime) -> Leadership | None:
+        """The lease, renewed (or taken) unless this controller renewed it less than
+        ``LEASE_RENEW_AFTER`` of the lease ago: until it expires no other controller can take
+        it, and every transaction a pass applies still checks it (``hold``), so a fresh lease
+        costs a pass no round trip. None: another controller holds it."""
+        held = self._leadership
+        lease = timedelta(seconds=self._settings.leader_lease_s)
+        if held is not None and now < held.expires_at - lease * (1 - LEASE_RENEW_AFTER):
+            self.lease_age_s = (now - (held.expires_at - lease)).total_seconds()
+            return held
+        self.lease_age_s = 0.0
         me = self._settings.controller_id
         with transaction(self._factory) as session:
             leadership = acquire(session, me, now, self._settings.leader_lease_s)
@@ -1190,5 +1208,6 @@ class Reconciler:
                 interval,
                 settings.leader_lease_s,
                 settings.node_timeout_s,
+                self.lease_age_s,
             )
             signals.rest(rest, interval)

@@ -200,8 +200,9 @@ class ControllerSettings(BaseSettings):
         default=10.0,
         gt=0,
         le=3600,
-        description="How long the acting controller's lease lasts without renewal; a standby "
-        "controller on the same database takes over this long after the leader dies",
+        description="How long the acting controller's lease lasts without renewal (it renews "
+        "it once a quarter of it has passed); a standby controller on the same database takes "
+        "over at most this long after the leader dies",
     )
 
     enrolment_token: SecretStr | None = Field(

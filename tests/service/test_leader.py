@@ -8,12 +8,12 @@ from datetime import datetime
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import transaction
 from service.leader import Leadership, LeaseLost, acquire, hold
-from service.models import Attempt, AttemptMember
+from service.models import Attempt, AttemptMember, ControllerLease
 from service.reconciler import PlaceJob, Reconciler
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState
@@ -70,6 +70,48 @@ def test_only_the_lease_holder_acts(
         clock.advance(LEASE_S / 2)
         b.run_once()
         assert b.is_leader
+    assert len(_attempts(api, job_id)) == 1
+
+
+def _lease_expiry(factory: sessionmaker[Session]) -> datetime:
+    with transaction(factory) as session:
+        return session.scalars(select(ControllerLease.expires_at)).one()
+
+
+def test_a_leader_renews_its_lease_once_a_quarter_of_it_has_passed(
+    api: TestClient,
+    factory: sessionmaker[Session],
+    settings: ControllerSettings,
+    pair: tuple[Reconciler, Reconciler],
+    clock: FakeClock,
+) -> None:
+    """Passes while the lease is young send nothing for it; the one after a quarter of the
+    lease renews it. Meanwhile a standby still stands by and the leader still places."""
+    a, b = pair
+    _register(api, "n1", "n2")
+    a.run_once()
+    taken = _lease_expiry(factory)
+    statements: list[str] = []
+    engine = factory.kw["bind"]
+
+    def seen(conn: object, cursor: object, sql: str, *rest: object) -> None:
+        statements.append(sql)
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        clock.advance(LEASE_S * 0.2)
+        job_id = _submit(api)
+        statements.clear()
+        assert [type(x) for x in a.run_once()] == [PlaceJob]  # its apply still holds the lease
+        read = [s for s in statements if "controller_leases" in s]
+        assert len(read) == 1 and read[0].startswith("SELECT"), read  # the apply's hold only
+        assert _lease_expiry(factory) == taken and a.lease_age_s == LEASE_S * 0.2
+        assert b.run_once() == [] and not b.is_leader
+        clock.advance(LEASE_S * 0.1)  # a third of the lease old
+        a.run_once()
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert _lease_expiry(factory) > taken and a.lease_age_s == 0.0
     assert len(_attempts(api, job_id)) == 1
 
 

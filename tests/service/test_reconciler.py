@@ -186,6 +186,10 @@ def test_the_loop_rests_so_that_passes_take_at_most_their_share_of_the_cpu() -> 
     assert rest_after(1.5, 1.5, 0.25, 0.5, 6.0, 30.0) == pytest.approx(0.5)  # 6 / 3 - 1.5
     assert rest_after(1.0, 1.0, 0.25, 0.5, 30.0, 10.0) == pytest.approx(3.0)  # 5 - 0.5 - 1
     assert rest_after(4.8, 4.8, 0.25, 0.5, 30.0, 10.0) == 0.0
+    # A pass that found its lease renewed 9 s before (and did not renew it) rests so that
+    # the next pass, which renews it, begins before a third of the 30 s lease has passed.
+    assert rest_after(0.1, 0.1, 0.01, 0.5, 30.0, 60.0, lease_age_s=9.0) == pytest.approx(0.9)
+    assert rest_after(0.1, 0.1, 0.01, 0.5, 30.0, 60.0, lease_age_s=11.0) == 0.0
     for took in (0.1, 1.0, 2.0, 3.0, 4.0):
         rest = rest_after(took, took, 0.25, 0.5, 30.0, 10.0)
         assert not stalled(T0, T0 + timedelta(seconds=took + rest + 0.5), TIMEOUT)
