@@ -712,20 +712,27 @@ def tail_of(
     """Where in time the slowest hundredth of the heartbeats (``beats``: when each was
     sent, ``time.monotonic``, and its ms; at or above ``p99_ms``) were sent: in how many
     distinct seconds of the window, and the three seconds with the slowest heartbeats,
-    each with the heartbeats and reports sent in it and the heartbeats' median."""
+    each with the heartbeats and reports sent in it and the heartbeats' median; and how
+    many heartbeats the whole seconds of the window held (``per_second``: the fewest, the
+    median, the most), which a fleet of even phases keeps close together."""
     if not beats:
-        return {"slow": 0, "seconds": 0, "worst": []}
+        return {"slow": 0, "seconds": 0, "worst": [], "per_second": {}}
     t0 = min(sent for sent, _ in beats)
     by_second: dict[int, list[float]] = defaultdict(list)
     for sent, ms in beats:
         by_second[int(sent - t0)].append(ms)
     reports_in = Counter(int(sent - t0) for sent, _ in reports)
     slow = [int(sent - t0) for sent, ms in beats if ms >= p99_ms]
+    # The first and the last second of the window may be cut short.
+    whole = sorted(float(len(by_second[second])) for second in range(1, max(by_second)))
     worst = sorted(by_second, key=lambda second: max(by_second[second]), reverse=True)[:3]
     return {
         "slow": len(slow),
         "seconds": len(set(slow)),
         "of_seconds": len(by_second),
+        "per_second": {"min": whole[0], "p50": quantile(whole, 0.5), "max": whole[-1]}
+        if whole
+        else {},
         "worst": [
             {
                 "second": second,
@@ -1048,7 +1055,13 @@ def print_table(result: dict[str, Any]) -> None:
             "",
             "",
             f"{tail['slow']} heartbeats sent in {tail['seconds']} of {tail['of_seconds']} "
-            "seconds; the worst seconds: "
+            + (
+                f"seconds (heartbeats a second: {tail['per_second']['min']:.0f} to "
+                f"{tail['per_second']['max']:.0f}, median {tail['per_second']['p50']:.0f})"
+                if tail.get("per_second")
+                else "seconds"
+            )
+            + "; the worst seconds: "
             + "; ".join(
                 f"{w['second']} s in: {w['slow']} of {w['heartbeats']} heartbeats slow, p50 "
                 f"{w['p50_ms']:.0f} / max {w['max_ms']:.0f} ms, {w['reports']} reports"
@@ -1391,6 +1404,8 @@ def print_side_by_side(
         ("reconcile pass mean (ms)", lambda r: f"{r['reconcile']['mean_ms']:.0f}"),
         ("heartbeats at or above the p99: seconds they were sent in",
          lambda r: _tail_seconds(r["heartbeat"].get("tail"))),
+        ("heartbeats sent a second: fewest / median / most",
+         lambda r: _per_second(r["heartbeat"].get("tail"))),
         ("heartbeat p50 / p99: answers that started a run, others (ms)",
          lambda r: _split(r["heartbeat"])),
         ("the simulated fleet's loop: late p99 / max (ms), stalls over 50 ms",
@@ -1442,6 +1457,13 @@ def _tail_seconds(tail: dict[str, Any] | None) -> str:
     if not tail:
         return "-"
     return f"{tail['slow']} in {tail['seconds']} of {tail['of_seconds']} s"
+
+
+def _per_second(tail: dict[str, Any] | None) -> str:
+    if not tail or not tail.get("per_second"):
+        return "-"
+    spread = tail["per_second"]
+    return f"{spread['min']:.0f} / {spread['p50']:.0f} / {spread['max']:.0f}"
 
 
 def _split(beats: dict[str, Any]) -> str:

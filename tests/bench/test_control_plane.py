@@ -109,7 +109,14 @@ def test_the_slowest_heartbeats_are_placed_in_the_seconds_they_were_sent() -> No
         "max_ms": 300.0,
         "slow": 2,
     }
-    assert tail_of([], [], p99_ms=float("nan")) == {"slow": 0, "seconds": 0, "worst": []}
+    # Only second 1 is whole (the first and the last may be cut short): three heartbeats.
+    assert tail["per_second"] == {"min": 3, "p50": 3, "max": 3}
+    assert tail_of([], [], p99_ms=float("nan")) == {
+        "slow": 0,
+        "seconds": 0,
+        "worst": [],
+        "per_second": {},
+    }
 
 
 def test_every_baseline_changes_fields_the_options_have() -> None:
