@@ -60,7 +60,8 @@ ANSWERS_KEPT = 20_000
 # How long a count of the ALIVE nodes sets the pace before it is read again.
 PACE_RECOUNT_S = 5.0
 # The longest interval a node is told, however large the fleet: what it is told
-# (a new assignment, a stop) never waits longer than this.
+# (a new assignment, a stop) never waits longer than this, but for the first heartbeat
+# after its interval lengthened (``worker.agent.paced_wait``: up to the two together).
 HEARTBEAT_INTERVAL_MAX_S = 60.0
 # How long after its attempt SUCCEEDED a node that still runs its part is left to end
 # by itself before its agent is told to stop it (it holds its room until it reports).

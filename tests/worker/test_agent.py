@@ -176,9 +176,9 @@ def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -
 
     client.heartbeat = paced  # type: ignore[method-assign]
     agent.step()  # registers: every 2 s, as registration said
-    agent.step()  # the first heartbeat: 5 s from now
+    agent.step()  # the first heartbeat: told 5 s, the next after the old 2 s and up to 5 s
     assert client.calls.count("heartbeat 7") == 1
-    clock.now += 4.9
+    clock.now += 6.9  # the longest: 7 s
     agent.step()
     assert client.calls.count("heartbeat 7") == 1
     clock.now += 0.2
@@ -195,7 +195,7 @@ def test_the_agent_heartbeats_at_the_interval_each_reply_gives(tmp_path: Path) -
     assert client.calls.count("heartbeat 7") == 4
 
 
-def test_a_node_told_a_longer_interval_first_waits_between_the_old_and_the_new(
+def test_a_node_told_a_longer_interval_first_waits_the_old_and_up_to_the_new(
     tmp_path: Path,
 ) -> None:
     """Then the new interval; told a shorter one, the next goes after the shorter one."""
@@ -214,10 +214,10 @@ def test_a_node_told_a_longer_interval_first_waits_between_the_old_and_the_new(
 
     client.heartbeat = paced  # type: ignore[method-assign]
     sent_at = _sent_at(agent, client, clock, range(0, 200))
-    # Registered at 0 (every 2 s); 0.1: told 8 s, waits between 2 and 8 (here 2); 2.1: none
-    # told, waits 8; 10.1: told 1 s, waits 1; 11.1: none told, waits 1
+    # Registered at 0 (every 2 s); 0.1: told 8 s, waits 2 and up to 8 more (here none);
+    # 2.1: none told, waits 8; 10.1: told 1 s, waits 1; 11.1: none told, waits 1
     assert sent_at[:5] == [0.1, 2.1, 10.1, 11.1, 12.1]
-    assert asked == [(2.0, 8.0)]
+    assert asked == [(2.0, 10.0)]
 
 
 def test_a_fleet_told_a_much_longer_interval_spreads_its_heartbeats(
@@ -254,6 +254,44 @@ def test_a_fleet_told_a_much_longer_interval_spreads_its_heartbeats(
     assert sum(seconds.values()) == 3 * nodes
     # Spread evenly, each second would hold 6; kept in the old window, two would hold 60.
     assert max(seconds.values()) <= 18, sorted(seconds.items())
+
+
+def test_a_fleet_whose_interval_grows_in_steps_spreads_its_heartbeats_evenly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pace grows in steps while a fleet registers (here 2 s, then 9 s, then 10 s):
+    each node's heartbeats come at a uniform phase of the last interval, so no second of
+    the ten holds many more than another. A first wait between the old interval and the
+    new one kept most of the old phases: here one second of the ten held 20 heartbeats and
+    another 240."""
+    monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
+    nodes, clock, rng = 100, Clock(), random.Random(3)
+    agents = []
+    for i in range(nodes):
+        (tmp_path / str(i)).mkdir()
+        agent, client, _ = _agent(tmp_path / str(i), spread=rng.uniform, clock=clock)
+
+        def paced(node_id: int, body: Heartbeat, client: ScriptedClient = client) -> HeartbeatReply:
+            client.calls.append(f"heartbeat {node_id} {clock.now:.2f}")
+            told = 2.0 if clock.now < 110.0 else 9.0 if clock.now < 150.0 else 10.0
+            return HeartbeatReply(heartbeat_interval_s=told)
+
+        client.heartbeat = paced  # type: ignore[method-assign]
+        agents.append((rng.uniform(0.0, 1.0), agent, client))
+    for tick in range(0, 2000):
+        clock.now = 100.0 + tick / 10
+        for registers_at, agent, _ in agents:
+            if clock.now - 100.0 >= registers_at:
+                agent.step()
+    seconds: Counter[int] = Counter()
+    for _, _, client in agents:
+        for call in client.calls:
+            at = float(call.rsplit(" ", 1)[1]) if call.startswith("heartbeat") else 0.0
+            if 200.0 <= at < 300.0:  # ten cycles at 10 s
+                seconds[int(at) % 10] += 1
+    assert sum(seconds.values()) == 10 * nodes
+    # Evenly, each second of the ten would hold 100.
+    assert min(seconds.values()) >= 50 and max(seconds.values()) <= 150, sorted(seconds.items())
 
 
 def _heartbeats_sent_at(
@@ -297,8 +335,9 @@ def test_a_failed_heartbeat_is_tried_again_sooner_than_a_long_pace(tmp_path: Pat
     (10 s): a node at a long pace is not silent for two of its intervals after one
     failure, and a lost reply may have told it a shorter interval than it follows."""
     sent_at = _heartbeats_sent_at(tmp_path, [ControllerUnavailableError("down")] * 3)
-    # 10: fails, 12: fails, 16: fails, 24: answered (8 s later, not 10), 34: at the pace
-    assert sent_at[:5] == [10.0, 12.0, 16.0, 24.0, 34.0]
+    # 12: fails (the longest first wait at the pace: the old 2 s and the new 10 s), 14:
+    # fails, 18: fails, 26: answered (8 s later, not 10), 36: at the pace
+    assert sent_at[:5] == [12.0, 14.0, 18.0, 26.0, 36.0]
 
 
 def test_a_failed_heartbeat_is_tried_again_after_a_random_half_to_whole_of_its_wait(
@@ -320,10 +359,10 @@ def test_a_shed_heartbeat_is_not_sent_again_before_its_retry_after(tmp_path: Pat
         ControllerUnavailableError("shed", 503, retry_after_s=5.0),
         ControllerUnavailableError("shed", 503, retry_after_s=30.0),
     ]
-    # 10: shed, asks 5 s (not the 2 s base); 15: shed, asks 30 s: the pace (10 s) wins. With
+    # 12: shed, asks 5 s (not the 2 s base); 17: shed, asks 30 s: the pace (10 s) wins. With
     # the least spread the first goes 2 s after the pace was told, the old interval.
     for spread, expected in (
-        (_longest, [10.0, 15.0, 25.0, 35.0]),
+        (_longest, [12.0, 17.0, 27.0, 37.0]),
         (_least, [2.0, 7.0, 17.0, 27.0]),
     ):
         sent_at = _heartbeats_sent_at(tmp_path / spread.__name__, list(shed), spread)
