@@ -286,6 +286,12 @@ class ControllerSettings(BaseSettings):
                 f"intervals ({3 * self.reconcile_interval_s:g}), or the leader loses its lease "
                 "between two renewals"
             )
+        if self.node_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"node_timeout_s ({self.node_timeout_s:g}) must be at least twice "
+                f"heartbeat_interval_s ({2 * self.heartbeat_interval_s:g}), or a node is lost "
+                "for one late heartbeat, or for the one after its pace lengthened"
+            )
         if self.database_url is None:
             self.database_url = f"sqlite:///{self.data_dir / 'relaunch.db'}"
         if self.snapshot_root is None:

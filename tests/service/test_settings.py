@@ -30,6 +30,11 @@ README = Path(__file__).resolve().parents[2] / "README.md"
             "leader_lease_s (1) must be at least three reconcile intervals (1.5)",
         ),
         (
+            ["server"],
+            {"RELAUNCH_NODE_TIMEOUT_S": "3", "RELAUNCH_HEARTBEAT_INTERVAL_S": "2"},
+            "node_timeout_s (3) must be at least twice heartbeat_interval_s (4)",
+        ),
+        (
             ["agent", "--controller", "http://127.0.0.1:1"],
             {"RELAUNCH_AGENT_SLOTS": "0"},
             "RELAUNCH_AGENT_SLOTS='0': Input should be greater than or equal to 1",
