@@ -1293,6 +1293,11 @@ def main(argv: list[str] | None = None) -> None:
         "PostgreSQL's 100 connections)",
     )
     parser.add_argument(
+        "--gc-young-threshold",
+        type=int,
+        help="RELAUNCH_GC_YOUNG_THRESHOLD of the controller (default: the controller's)",
+    )
+    parser.add_argument(
         "--baseline-one-api-process",
         action="store_true",
         help="first run the same load with the API on one process (40 threads), then on "
@@ -1320,6 +1325,7 @@ def main(argv: list[str] | None = None) -> None:
         register_timeout_s=args.register_timeout_s,
         api_processes=api_processes,
         api_threads=api_threads,
+        gc_young_threshold=args.gc_young_threshold,
     )
     chosen = [flag for flag in BASELINES if getattr(args, flag)]
     runs: dict[str, dict[str, Any]]
