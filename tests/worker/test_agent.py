@@ -1,5 +1,6 @@
 """NodeAgent.step against a scripted client and a hand-moved clock (no processes)."""
 
+import math
 import os
 import random
 from collections import Counter
@@ -220,6 +221,45 @@ def test_a_node_told_a_longer_interval_first_waits_the_old_and_up_to_the_new(
     assert asked == [(2.0, 10.0)]
 
 
+def _fleet_phases(
+    tmp_path: Path,
+    nodes: int,
+    seed: int,
+    told: Callable[[float], float],
+    ticks: int,
+    tick_s: float,
+    window: tuple[float, float],
+) -> Counter[int]:
+    """``nodes`` agents that register within one second of 100 s (``seed``: their spread
+    and when each registers), each heartbeat answered with the interval ``told(now)``,
+    stepped ``ticks`` times ``tick_s`` apart: how many of the heartbeats sent within
+    ``window`` fell in each second of ten (the second's number modulo 10)."""
+    nodes_clock, rng = Clock(), random.Random(seed)
+    agents = []
+    for i in range(nodes):
+        (tmp_path / str(i)).mkdir()
+        agent, client, _ = _agent(tmp_path / str(i), spread=rng.uniform, clock=nodes_clock)
+
+        def paced(node_id: int, body: Heartbeat, client: ScriptedClient = client) -> HeartbeatReply:
+            client.calls.append(f"heartbeat {node_id} {nodes_clock.now:.2f}")
+            return HeartbeatReply(heartbeat_interval_s=told(nodes_clock.now))
+
+        client.heartbeat = paced  # type: ignore[method-assign]
+        agents.append((rng.uniform(0.0, 1.0), agent, client))
+    for tick in range(ticks):
+        nodes_clock.now = 100.0 + tick * tick_s
+        for registers_at, agent, _ in agents:
+            if nodes_clock.now - 100.0 >= registers_at:
+                agent.step()
+    seconds: Counter[int] = Counter()
+    for _, _, client in agents:
+        for call in client.calls:
+            at = float(call.rsplit(" ", 1)[1]) if call.startswith("heartbeat") else 0.0
+            if window[0] <= at < window[1]:
+                seconds[int(at) % 10] += 1
+    return seconds
+
+
 def test_a_fleet_told_a_much_longer_interval_spreads_its_heartbeats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -228,29 +268,16 @@ def test_a_fleet_told_a_much_longer_interval_spreads_its_heartbeats(
     ten seconds, not within the two of the old interval."""
     # These agents start no processes: none to reap (a look at /proc at every report tick).
     monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
-    nodes, clock, rng = 20, Clock(), random.Random(7)
-    agents = []
-    for i in range(nodes):
-        (tmp_path / str(i)).mkdir()
-        agent, client, _ = _agent(tmp_path / str(i), spread=rng.uniform, clock=clock)
-
-        def paced(node_id: int, body: Heartbeat, client: ScriptedClient = client) -> HeartbeatReply:
-            client.calls.append(f"heartbeat {node_id} {clock.now:.2f}")
-            return HeartbeatReply(heartbeat_interval_s=2.0 if clock.now < 110.0 else 10.0)
-
-        client.heartbeat = paced  # type: ignore[method-assign]
-        agents.append((rng.uniform(0.0, 1.0), agent, client))
-    for tick in range(0, 1200):
-        clock.now = 100.0 + tick / 20
-        for registers_at, agent, _ in agents:
-            if clock.now - 100.0 >= registers_at:
-                agent.step()
-    seconds: Counter[int] = Counter()
-    for _, _, client in agents:
-        for call in client.calls:
-            at = float(call.rsplit(" ", 1)[1]) if call.startswith("heartbeat") else 0.0
-            if at >= 130.0:  # the last 30 s, at 10 s
-                seconds[int(at) % 10] += 1
+    nodes = 20
+    seconds = _fleet_phases(
+        tmp_path,
+        nodes,
+        seed=7,
+        told=lambda now: 2.0 if now < 110.0 else 10.0,
+        ticks=1200,
+        tick_s=1 / 20,
+        window=(130.0, math.inf),  # the last 30 s, at 10 s
+    )
     assert sum(seconds.values()) == 3 * nodes
     # Spread evenly, each second would hold 6; kept in the old window, two would hold 60.
     assert max(seconds.values()) <= 18, sorted(seconds.items())
@@ -265,30 +292,16 @@ def test_a_fleet_whose_interval_grows_in_steps_spreads_its_heartbeats_evenly(
     new one kept most of the old phases: here one second of the ten held 20 heartbeats and
     another 240."""
     monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
-    nodes, clock, rng = 100, Clock(), random.Random(3)
-    agents = []
-    for i in range(nodes):
-        (tmp_path / str(i)).mkdir()
-        agent, client, _ = _agent(tmp_path / str(i), spread=rng.uniform, clock=clock)
-
-        def paced(node_id: int, body: Heartbeat, client: ScriptedClient = client) -> HeartbeatReply:
-            client.calls.append(f"heartbeat {node_id} {clock.now:.2f}")
-            told = 2.0 if clock.now < 110.0 else 9.0 if clock.now < 150.0 else 10.0
-            return HeartbeatReply(heartbeat_interval_s=told)
-
-        client.heartbeat = paced  # type: ignore[method-assign]
-        agents.append((rng.uniform(0.0, 1.0), agent, client))
-    for tick in range(0, 2000):
-        clock.now = 100.0 + tick / 10
-        for registers_at, agent, _ in agents:
-            if clock.now - 100.0 >= registers_at:
-                agent.step()
-    seconds: Counter[int] = Counter()
-    for _, _, client in agents:
-        for call in client.calls:
-            at = float(call.rsplit(" ", 1)[1]) if call.startswith("heartbeat") else 0.0
-            if 200.0 <= at < 300.0:  # ten cycles at 10 s
-                seconds[int(at) % 10] += 1
+    nodes = 100
+    seconds = _fleet_phases(
+        tmp_path,
+        nodes,
+        seed=3,
+        told=lambda now: 2.0 if now < 110.0 else 9.0 if now < 150.0 else 10.0,
+        ticks=2000,
+        tick_s=1 / 10,
+        window=(200.0, 300.0),  # ten cycles at 10 s
+    )
     assert sum(seconds.values()) == 10 * nodes
     # Evenly, each second of the ten would hold 100.
     assert min(seconds.values()) >= 50 and max(seconds.values()) <= 150, sorted(seconds.items())
