@@ -290,6 +290,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         pool = (
             multiprocessing.get_context("spawn").Pool(options.readers) if options.readers else None
         )
+        own_gc = _OwnCollections()  # this process's collections while it measures
         try:
             # The readers are up, and a reader that ran ``_reader_ready`` has imported this
             # module (what ``poll`` needs; with one reader, the default, that is every
@@ -311,7 +312,6 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             running: list[int] = []
             latest: list[tuple[float, Samples]] = []
             lags: list[float] = []
-            own_gc = _OwnCollections()
             gc.callbacks.append(own_gc)
             reads, *_ = await asyncio.gather(
                 asyncio.to_thread(
@@ -325,7 +325,6 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 _sample_lag(until[0], lags),
                 *serving,
             )
-            gc.callbacks.remove(own_gc)
             wall = time.monotonic() - start
             cpu_after = _cpu_split(controller)
             cpu = (
@@ -346,6 +345,8 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 # The last scrape that answered; none: nothing of the controller's own.
                 metrics_s, after = (latest[-1][0] - start, latest[-1][1]) if latest else (0, before)
         finally:
+            if own_gc in gc.callbacks:
+                gc.callbacks.remove(own_gc)
             gc.enable()
             gc.unfreeze()
             if pool is not None:
@@ -723,13 +724,15 @@ def tail_of(
         by_second[int(sent - t0)].append(ms)
     reports_in = Counter(int(sent - t0) for sent, _ in reports)
     slow = [int(sent - t0) for sent, ms in beats if ms >= p99_ms]
-    # The first and the last second of the window may be cut short.
-    whole = sorted(float(len(by_second[second])) for second in range(1, max(by_second)))
+    # The first and the last second of the window may be cut short; one in between that
+    # saw no heartbeat sent holds none.
+    last = max(by_second)
+    whole = sorted(float(len(by_second.get(second, ()))) for second in range(1, last))
     worst = sorted(by_second, key=lambda second: max(by_second[second]), reverse=True)[:3]
     return {
         "slow": len(slow),
         "seconds": len(set(slow)),
-        "of_seconds": len(by_second),
+        "of_seconds": last + 1,
         "per_second": {"min": whole[0], "p50": quantile(whole, 0.5), "max": whole[-1]}
         if whole
         else {},

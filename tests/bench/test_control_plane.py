@@ -111,6 +111,10 @@ def test_the_slowest_heartbeats_are_placed_in_the_seconds_they_were_sent() -> No
     }
     # Only second 1 is whole (the first and the last may be cut short): three heartbeats.
     assert tail["per_second"] == {"min": 3, "p50": 3, "max": 3}
+    # A second in which no heartbeat was sent (a stall) holds none, and is no worst one.
+    gap = tail_of([(100.0, 10.0), (101.5, 20.0), (103.2, 30.0), (104.1, 5.0)], [], 30.0)
+    assert gap["per_second"] == {"min": 0, "p50": 1, "max": 1}  # seconds 1, 2, 3
+    assert gap["of_seconds"] == 5 and [w["second"] for w in gap["worst"]] == [3, 1, 0]
     assert tail_of([], [], p99_ms=float("nan")) == {
         "slow": 0,
         "seconds": 0,
