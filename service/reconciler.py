@@ -1028,9 +1028,12 @@ class Reconciler:
         costs a pass no round trip. None: another controller holds it."""
         held = self._leadership
         lease = timedelta(seconds=self._settings.leader_lease_s)
-        if held is not None and now < held.expires_at - lease * (1 - LEASE_RENEW_AFTER):
-            self.lease_age_s = (now - (held.expires_at - lease)).total_seconds()
-            return held
+        if held is not None:
+            age = now - (held.expires_at - lease)
+            # A negative age is a clock stepped back: renewed, the lease counts from it.
+            if timedelta(0) <= age < lease * LEASE_RENEW_AFTER:
+                self.lease_age_s = age.total_seconds()
+                return held
         self.lease_age_s = 0.0
         me = self._settings.controller_id
         with transaction(self._factory) as session:

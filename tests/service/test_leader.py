@@ -113,6 +113,12 @@ def test_a_leader_renews_its_lease_once_a_quarter_of_it_has_passed(
         event.remove(engine, "before_cursor_execute", seen)
     assert _lease_expiry(factory) > taken and a.lease_age_s == 0.0
     assert len(_attempts(api, job_id)) == 1
+    # A clock stepped back: the lease is renewed from it at once, not kept unrenewed for
+    # the step and a quarter of the lease (a standby would wait that much longer).
+    renewed = _lease_expiry(factory)
+    clock.advance(-5.0)
+    a.run_once()
+    assert _lease_expiry(factory) < renewed and a.lease_age_s == 0.0
 
 
 def test_a_standby_takes_over_once_the_leader_stops_renewing(
