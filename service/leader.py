@@ -2,8 +2,9 @@
 
 Every controller serves the API (its writes are compare-and-set and safe from
 any of them), but only the holder of the ``reconciler`` lease runs the
-reconciler's actions. The holder renews the lease every pass; a controller
-that finds it expired takes it over and bumps ``term``.
+reconciler's actions. The holder renews the lease at the first pass once a
+quarter of it has passed (``Reconciler._lead``); a controller that finds it
+expired takes it over and bumps ``term``.
 
 What must hold: an action commits only in a transaction that has locked the
 lease row and found this controller holding it, in the same term and before

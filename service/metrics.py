@@ -83,9 +83,10 @@ class ReconcilerMetrics:
         )
         self.reconcile_phase = Histogram(
             "relaunch_reconcile_phase_seconds",
-            "Time of each phase of a pass: lease (renew it), fleet (read the nodes and the "
-            "placed jobs), queue (read as much of the queue as the pass needs), plan (decide), "
-            "apply (the actions, in transactions of their own or in batches)",
+            "Time of each phase of a pass: lease (renew it, once a quarter of it has passed), "
+            "fleet (read the nodes and the placed jobs), queue (read as much of the queue as the "
+            "pass needs), plan (decide), apply (the actions, in transactions of their own or in "
+            "batches)",
             ["phase"],
             buckets=LATENCY_BUCKETS,
             registry=registry,

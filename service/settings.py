@@ -289,8 +289,9 @@ class ControllerSettings(BaseSettings):
         if self.node_timeout_s < 2 * self.heartbeat_interval_s:
             raise ValueError(
                 f"node_timeout_s ({self.node_timeout_s:g}) must be at least twice "
-                f"heartbeat_interval_s ({2 * self.heartbeat_interval_s:g}), or a node is lost "
-                "for one late heartbeat, or for the one after its pace lengthened"
+                f"heartbeat_interval_s ({2 * self.heartbeat_interval_s:g}): the silence a node "
+                "is allowed must cover a missed heartbeat, and the first wait after its pace "
+                "lengthened (the old interval and up to the new one)"
             )
         if self.database_url is None:
             self.database_url = f"sqlite:///{self.data_dir / 'relaunch.db'}"

@@ -481,7 +481,7 @@ class NodeAgent:
         time would have kept the window of the old one: told 10 s instead of 1 s, a fleet
         would send all its heartbeats within the same second of every ten. A wait between
         the old interval and the new one still left the phases uneven when the interval
-        grew in steps, as it does while a fleet registers (1,000 nodes sent 43 to 165
+        grew in steps, as it does while a fleet registers (1,000 nodes sent 43 to 166
         heartbeats a second, in a cycle of ten). No wait is shorter than the old interval,
         so the fleet never heartbeats faster than the interval it was told before; the one
         after a lengthening may be up to the two intervals together, which the silence a
