@@ -69,6 +69,7 @@ from bench.sim_nodes import (
 )
 from bench.status_load import quantile
 from service.api_processes import PROCESS_NAME as API_HELPER_NAME
+from service.gc_pauses import CollectionTimer
 from service.local_cluster import LocalCluster, free_port
 from worker.client import KEEP_ALIVE_S
 
@@ -290,7 +291,6 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         pool = (
             multiprocessing.get_context("spawn").Pool(options.readers) if options.readers else None
         )
-        own_gc = _OwnCollections()  # this process's collections while it measures
         try:
             # The readers are up, and a reader that ran ``_reader_ready`` has imported this
             # module (what ``poll`` needs; with one reader, the default, that is every
@@ -306,25 +306,26 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             machine_before, database_before = psutil.cpu_times(), _database_cpu()
             start = time.monotonic()
             until[0] = start + options.seconds
-            start_beats = (list(stats.heartbeat_ms), stats.heartbeat_timeouts, start - started)
+            start_beats = (stats.heartbeat_ms, stats.heartbeat_timeouts, start - started)
             stats.reset()
             rss: list[int] = []
             running: list[int] = []
             latest: list[tuple[float, Samples]] = []
             lags: list[float] = []
-            gc.callbacks.append(own_gc)
-            reads, *_ = await asyncio.gather(
-                asyncio.to_thread(
-                    _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
+            own_gc = _OwnCollections()  # this process's collections while it measures
+            with own_gc.installed():
+                reads, *_ = await asyncio.gather(
+                    asyncio.to_thread(
+                        _read, pool, cluster.url, cluster.admin_token, phases, options, time.time()
+                    )
+                    if pool is not None
+                    else _no_reads(),
+                    _watch_metrics(http, metrics_token, until[0], latest),
+                    _sample_rss(controller, until[0], rss),
+                    _sample_running(stats, until[0], running),
+                    _sample_lag(until[0], lags),
+                    *serving,
                 )
-                if pool is not None
-                else _no_reads(),
-                _watch_metrics(http, metrics_token, until[0], latest),
-                _sample_rss(controller, until[0], rss),
-                _sample_running(stats, until[0], running),
-                _sample_lag(until[0], lags),
-                *serving,
-            )
             wall = time.monotonic() - start
             cpu_after = _cpu_split(controller)
             cpu = (
@@ -345,8 +346,6 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
                 # The last scrape that answered; none: nothing of the controller's own.
                 metrics_s, after = (latest[-1][0] - start, latest[-1][1]) if latest else (0, before)
         finally:
-            if own_gc in gc.callbacks:
-                gc.callbacks.remove(own_gc)
             gc.enable()
             gc.unfreeze()
             if pool is not None:
@@ -396,18 +395,15 @@ async def _sample_lag(until: float, lags: list[float]) -> None:
         lags.append((time.perf_counter() - asked - LAG_TICK_S) * 1000)
 
 
-class _OwnCollections:
-    """The pauses of this process's garbage collector (ms), as a ``gc.callbacks`` entry."""
+class _OwnCollections(CollectionTimer):
+    """The pauses of this process's garbage collector (ms)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.pauses_ms: list[float] = []
-        self._started = 0.0
 
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.pauses_ms.append((time.perf_counter() - self._started) * 1000)
+    def observe(self, generation: int, seconds: float) -> None:
+        self.pauses_ms.append(seconds * 1000)
 
 
 def code_roots(controller: psutil.Process) -> dict[str, int]:
@@ -697,8 +693,8 @@ def offered(stats: FleetStats, running: list[int], wall: float) -> dict[str, flo
         "runs_per_job_placed": stats.runs_started / len(stats.jobs_placed)
         if stats.jobs_placed
         else float("nan"),
-        "reports_per_s": len(stats.report_ms) / wall,
-        "heartbeats_per_s": len(stats.heartbeat_ms) / wall,
+        "reports_per_s": len(stats.report_sent) / wall,
+        "heartbeats_per_s": len(stats.heartbeat_sent) / wall,
     }
 
 
@@ -914,7 +910,8 @@ def _result(
     heartbeat_server_n = _delta(before, after, "relaunch_heartbeat_seconds_count")
     states = ("PENDING", "WAITING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
     reconcile_p99 = 1000 * histogram_quantile(0.99, passes)
-    heartbeat_p99 = quantile(stats.heartbeat_ms, 0.99)
+    beats_ms = stats.heartbeat_ms
+    heartbeat_p99 = quantile(beats_ms, 0.99)
     return {
         "seconds": wall,
         "setup": {
@@ -940,11 +937,11 @@ def _result(
             },
         },
         "heartbeat": {
-            "count": len(stats.heartbeat_ms),
+            "count": len(beats_ms),
             "timed_out": stats.heartbeat_timeouts,
-            "per_s": len(stats.heartbeat_ms) / wall,
+            "per_s": len(beats_ms) / wall,
             "interval_told_s_max": stats.interval_told_s_max,
-            "p50_ms": quantile(stats.heartbeat_ms, 0.5),
+            "p50_ms": quantile(beats_ms, 0.5),
             "p99_ms": heartbeat_p99,
             # Those whose answer started a run on the node (made the long way), and the rest.
             "starting": _spread(stats.starting_ms),
@@ -965,11 +962,7 @@ def _result(
                 for reason in ("waited", "gone")
             },
         },
-        "reports": {
-            "count": len(stats.report_ms),
-            "p50_ms": quantile(stats.report_ms, 0.5),
-            "p99_ms": quantile(stats.report_ms, 0.99),
-        },
+        "reports": _spread(stats.report_ms),
         "reads": reads,
         "jobs": {
             "placed": len(stats.jobs_placed),

@@ -84,18 +84,17 @@ class Registrations:
 class FleetStats:
     """What the nodes saw, client side."""
 
-    heartbeat_ms: list[float] = field(default_factory=list)
-    # Of those, the heartbeats whose answer started a run the node did not run yet: the
-    # controller makes them the long way (a transaction, worker tokens, a first rendering).
-    starting_ms: list[float] = field(default_factory=list)
-    steady_ms: list[float] = field(default_factory=list)  # the other answers (200s)
-    # When each heartbeat and report was sent (``time.monotonic``), beside its time taken.
+    # When each heartbeat and report was sent (``time.monotonic``), and its time (ms).
     heartbeat_sent: list[tuple[float, float]] = field(default_factory=list)
     report_sent: list[tuple[float, float]] = field(default_factory=list)
+    # Of the heartbeats answered 200, those whose answer started a run the node did not
+    # run yet (the controller makes them the long way: a transaction, worker tokens, a
+    # first rendering), and the others.
+    starting_ms: list[float] = field(default_factory=list)
+    steady_ms: list[float] = field(default_factory=list)
     heartbeat_timeouts: int = 0
     # The longest heartbeat interval the controller told a node (its pace).
     interval_told_s_max: float = 0.0
-    report_ms: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     runs_started: int = 0
     runs_succeeded: int = 0  # exit reports of "succeeded" that the controller took
@@ -103,6 +102,14 @@ class FleetStats:
     runs_stopped: int = 0
     jobs_placed: set[int] = field(default_factory=set)
     running: int = 0  # runs under way now: the load the fleet offers follows it
+
+    @property
+    def heartbeat_ms(self) -> list[float]:
+        return [ms for _, ms in self.heartbeat_sent]
+
+    @property
+    def report_ms(self) -> list[float]:
+        return [ms for _, ms in self.report_sent]
 
     def error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
@@ -229,8 +236,7 @@ class SimNode:
             )
         except httpx.TimeoutException as exc:
             # Unanswered within the agent's timeout: counted at what it waited, a lower bound.
-            self._stats.heartbeat_ms.append((time.perf_counter() - start) * 1000)
-            self._stats.heartbeat_sent.append((sent, self._stats.heartbeat_ms[-1]))
+            self._stats.heartbeat_sent.append((sent, (time.perf_counter() - start) * 1000))
             self._stats.heartbeat_timeouts += 1
             self._stats.error(f"heartbeat {type(exc).__name__}")
             return
@@ -238,7 +244,6 @@ class SimNode:
             self._stats.error(f"heartbeat {type(exc).__name__}")
             return
         took_ms = (time.perf_counter() - start) * 1000
-        self._stats.heartbeat_ms.append(took_ms)
         self._stats.heartbeat_sent.append((sent, took_ms))
         if response.status_code != 200:
             self._stats.error(f"heartbeat {response.status_code}")
@@ -381,8 +386,7 @@ class SimNode:
             except httpx.HTTPError as exc:
                 self._stats.error(f"report {type(exc).__name__}")
                 return False
-            self._stats.report_ms.append((time.perf_counter() - start) * 1000)
-            self._stats.report_sent.append((sent, self._stats.report_ms[-1]))
+            self._stats.report_sent.append((sent, (time.perf_counter() - start) * 1000))
             if response.status_code == 200:
                 return True
             if response.status_code == 409:

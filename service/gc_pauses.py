@@ -33,29 +33,21 @@ def collect_young_after(objects: int) -> tuple[int, int, int]:
     return before
 
 
-class GcPauses:
-    """Times each run of Python's cyclic garbage collector into ``histogram``, by
-    generation: while one runs, no thread of the process runs Python, so a heartbeat
-    being answered waits it out. A ``gc.callbacks`` entry while it is ``installed``."""
+class CollectionTimer:
+    """Times each run of Python's cyclic garbage collector, by generation, and hands the
+    time to ``observe``. A ``gc.callbacks`` entry while it is ``installed``."""
 
-    def __init__(self, registry: CollectorRegistry, buckets: Sequence[float]) -> None:
-        self.histogram = Histogram(
-            "relaunch_gc_pause_seconds",
-            "Time of one collection of Python's cyclic garbage collector in the API's "
-            "process, by generation (2: every tracked object); no request runs meanwhile",
-            ["generation"],
-            buckets=buckets,
-            registry=registry,
-        )
+    def __init__(self) -> None:
         self._started = 0.0
+
+    def observe(self, generation: int, seconds: float) -> None:
+        raise NotImplementedError
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self.histogram.labels(str(info["generation"])).observe(
-                time.perf_counter() - self._started
-            )
+            self.observe(info["generation"], time.perf_counter() - self._started)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -64,3 +56,23 @@ class GcPauses:
             yield
         finally:
             gc.callbacks.remove(self)
+
+
+class GcPauses(CollectionTimer):
+    """Times each run of Python's cyclic garbage collector into ``histogram``, by
+    generation: while one runs, no thread of the process runs Python, so a heartbeat
+    being answered waits it out."""
+
+    def __init__(self, registry: CollectorRegistry, buckets: Sequence[float]) -> None:
+        super().__init__()
+        self.histogram = Histogram(
+            "relaunch_gc_pause_seconds",
+            "Time of one collection of Python's cyclic garbage collector in the API's "
+            "process, by generation (2: every tracked object); no request runs meanwhile",
+            ["generation"],
+            buckets=buckets,
+            registry=registry,
+        )
+
+    def observe(self, generation: int, seconds: float) -> None:
+        self.histogram.labels(str(generation)).observe(seconds)
