@@ -8,7 +8,7 @@ from datetime import datetime
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import transaction
@@ -18,6 +18,7 @@ from service.reconciler import PlaceJob, Reconciler
 from service.settings import ControllerSettings
 from service.states import AttemptState, MemberState
 from tests.helpers import FakeClock
+from tests.service.helpers import statements
 
 LEASE_S = 10.0
 
@@ -91,26 +92,16 @@ def test_a_leader_renews_its_lease_once_a_quarter_of_it_has_passed(
     _register(api, "n1", "n2")
     a.run_once()
     taken = _lease_expiry(factory)
-    statements: list[str] = []
-    engine = factory.kw["bind"]
-
-    def seen(conn: object, cursor: object, sql: str, *rest: object) -> None:
-        statements.append(sql)
-
-    event.listen(engine, "before_cursor_execute", seen)
-    try:
-        clock.advance(LEASE_S * 0.2)
-        job_id = _submit(api)
-        statements.clear()
+    clock.advance(LEASE_S * 0.2)
+    job_id = _submit(api)
+    with statements(factory.kw["bind"]) as sent:
         assert [type(x) for x in a.run_once()] == [PlaceJob]  # its apply still holds the lease
-        read = [s for s in statements if "controller_leases" in s]
-        assert len(read) == 1 and read[0].startswith("SELECT"), read  # the apply's hold only
-        assert _lease_expiry(factory) == taken and a.lease_age_s == LEASE_S * 0.2
-        assert b.run_once() == [] and not b.is_leader
-        clock.advance(LEASE_S * 0.1)  # a third of the lease old
-        a.run_once()
-    finally:
-        event.remove(engine, "before_cursor_execute", seen)
+    read = [s for s in sent if "controller_leases" in s]
+    assert len(read) == 1 and read[0].startswith("SELECT"), read  # the apply's hold only
+    assert _lease_expiry(factory) == taken and a.lease_age_s == LEASE_S * 0.2
+    assert b.run_once() == [] and not b.is_leader
+    clock.advance(LEASE_S * 0.1)  # a third of the lease old
+    a.run_once()
     assert _lease_expiry(factory) > taken and a.lease_age_s == 0.0
     assert len(_attempts(api, job_id)) == 1
     # A clock stepped back: the lease is renewed from it at once, not kept unrenewed for
