@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, literal, select
+from sqlalchemy import bindparam, func, insert, literal, select
 from sqlalchemy.orm import Session
 
-from service.models import Job, JobEvent
+from service.models import Job, JobEvent, table_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +30,18 @@ def add_event(
     node_id: int | None = None,
     data: dict[str, Any] | None = None,
 ) -> None:
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            attempt_id=attempt_id,
-            node_id=node_id,
-            time=now,
-            kind=kind,
-            message=message,
-            data=data or {},
-        )
-    )
+    """Put ``kind`` on job ``job_id``'s timeline, inserted now rather than at the session's
+    next flush: event ids follow the order of the calls, with ``add_events``' too."""
+    row = {
+        "job_id": job_id,
+        "attempt_id": attempt_id,
+        "node_id": node_id,
+        "time": now,
+        "kind": kind,
+        "message": message,
+        "data": data or {},
+    }
+    session.execute(_INSERT_EVENT, row)
     logger.info("job=%s attempt_id=%s event %s: %s", job_id, attempt_id, kind, message)
 
 
@@ -82,11 +83,7 @@ MEMBERSHIP_CHANGES = ("node_left", "node_joined")
 def last_membership_change(session: Session, attempt_id: int) -> datetime | None:
     """When the attempt's members last changed (a node left or joined), as the timeline
     says; None if they never did."""
-    return session.scalar(
-        select(func.max(JobEvent.time)).where(
-            JobEvent.attempt_id == attempt_id, JobEvent.kind.in_(MEMBERSHIP_CHANGES)
-        )
-    )
+    return session.scalar(_LAST_MEMBERSHIP_CHANGE, {"attempt_id": attempt_id})
 
 
 def last_event_id(
@@ -94,24 +91,35 @@ def last_event_id(
 ) -> int | None:
     """The id of the attempt's newest timeline event (of ``kind``, if given); ids follow
     the order in which the controller recorded them. None if there is none."""
-    stmt = select(func.max(JobEvent.id)).where(
-        JobEvent.job_id == job_id, JobEvent.attempt_id == attempt_id
-    )  # ix_job_events_job_id_id
-    if kind is not None:
-        stmt = stmt.where(JobEvent.kind == kind)
-    return session.scalar(stmt)
+    params = {"job_id": job_id, "attempt_id": attempt_id}
+    if kind is None:
+        return session.scalar(_LAST_EVENT_ID, params)
+    return session.scalar(_LAST_EVENT_ID_OF_KIND, {**params, "kind": kind})
 
 
 def last_round_event(session: Session, attempt_id: int, node_id: int) -> JobEvent | None:
     """The attempt's last ``rendezvous`` or ``first_step`` event from ``node_id``: whether
     the node's current rendezvous round already has its first step on the timeline."""
-    return session.scalars(
-        select(JobEvent)
-        .where(
-            JobEvent.attempt_id == attempt_id,
-            JobEvent.node_id == node_id,
-            JobEvent.kind.in_(("rendezvous", "first_step")),
-        )
-        .order_by(JobEvent.id.desc())
-        .limit(1)
-    ).first()
+    params = {"attempt_id": attempt_id, "node_id": node_id}
+    return session.scalars(_LAST_ROUND_EVENT, params).first()
+
+
+# Built once: building a statement costs more than running it.
+_INSERT_EVENT = insert(table_of(JobEvent))
+_LAST_MEMBERSHIP_CHANGE = select(func.max(JobEvent.time)).where(
+    JobEvent.attempt_id == bindparam("attempt_id"), JobEvent.kind.in_(MEMBERSHIP_CHANGES)
+)
+_LAST_EVENT_ID = select(func.max(JobEvent.id)).where(
+    JobEvent.job_id == bindparam("job_id"), JobEvent.attempt_id == bindparam("attempt_id")
+)  # ix_job_events_job_id_id
+_LAST_EVENT_ID_OF_KIND = _LAST_EVENT_ID.where(JobEvent.kind == bindparam("kind"))
+_LAST_ROUND_EVENT = (
+    select(JobEvent)
+    .where(
+        JobEvent.attempt_id == bindparam("attempt_id"),
+        JobEvent.node_id == bindparam("node_id"),
+        JobEvent.kind.in_(("rendezvous", "first_step")),
+    )
+    .order_by(JobEvent.id.desc())
+    .limit(1)
+)

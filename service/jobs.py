@@ -151,11 +151,14 @@ def _check_limits(session: Session, owner: User, spec: JobSpec, limits: Limits) 
         )
 
 
+# Built once: building a statement costs more than running it.
+_JOB = select(Job).where(Job.id == bindparam("job_id"))
+_JOB_FOR_UPDATE = _JOB.with_for_update()
+
+
 def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
-    stmt = select(Job).where(Job.id == job_id)
-    if for_update:
-        stmt = stmt.with_for_update()
-    job = session.scalars(stmt).one_or_none()
+    stmt = _JOB_FOR_UPDATE if for_update else _JOB
+    job = session.scalars(stmt, {"job_id": job_id}).one_or_none()
     if job is None:
         raise NotFound(f"job {job_id} does not exist")
     return job

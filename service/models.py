@@ -19,6 +19,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     UniqueConstraint,
     cast,
@@ -121,6 +122,12 @@ class IdempotencyKey(Base):
     body_sha256: Mapped[str] = mapped_column(String(64))
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime]
+
+
+def table_of(model: type[Base]) -> Table:
+    """``model``'s table, for a plain Core statement (an INSERT without the ORM's bulk
+    machinery)."""
+    return model.metadata.tables[model.__tablename__]
 
 
 def json_text(column: InstrumentedAttribute[Any]) -> Label[str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, select
+from sqlalchemy import ColumnElement, Select, and_, bindparam, insert, select
 from sqlalchemy.orm import Session
 
 from contract.events import (
@@ -45,8 +45,18 @@ from service.job_events import (
     last_round_event,
 )
 from service.jobs import change_job_state, get_job
-from service.models import Attempt, AttemptMember, Job, LogEntry, Metric, Node, Snapshot
+from service.models import (
+    Attempt,
+    AttemptMember,
+    Job,
+    LogEntry,
+    Metric,
+    Node,
+    Snapshot,
+    table_of,
+)
 from service.states import AttemptState, JobState, MemberState
+from service.transitions import write
 
 logger = logging.getLogger(__name__)
 
@@ -95,41 +105,60 @@ def _reporter(
     """The node, the attempt it reports on, and its membership ``member_id`` of that attempt
     (None: its newest), each None if there is none, in one statement: a report used to
     read them in three round trips before it took its job's lock."""
-    membership = and_(AttemptMember.attempt_id == Attempt.id, AttemptMember.node_id == Node.id)
-    if member_id is not None:
-        membership = and_(membership, AttemptMember.id == member_id)
-    stmt = (
-        select(Node, Attempt, AttemptMember)
-        .select_from(Node)
-        .outerjoin(Attempt, Attempt.id == attempt_id)
-        .outerjoin(AttemptMember, membership)
-        .where(Node.id == node_id)
-        .order_by(AttemptMember.id.desc())
-        .limit(1)
-    )
-    row = session.execute(stmt).first()
+    params = {"node_id": node_id, "attempt_id": attempt_id}
+    if member_id is None:
+        row = session.execute(_REPORTER_NEWEST, params).first()
+    else:
+        row = session.execute(_REPORTER, {**params, "member_id": member_id}).first()
     if row is None:
         return None, None, None
     node, attempt, member = row
     return node, attempt, member
 
 
+def _reporter_statement(membership: ColumnElement[bool]) -> Select[Node, Attempt, AttemptMember]:
+    """``_reporter``'s statement, its membership joined on ``membership``."""
+    return (
+        select(Node, Attempt, AttemptMember)
+        .select_from(Node)
+        .outerjoin(Attempt, Attempt.id == bindparam("attempt_id"))
+        .outerjoin(AttemptMember, membership)
+        .where(Node.id == bindparam("node_id"))
+        .order_by(AttemptMember.id.desc())
+        .limit(1)
+    )
+
+
+# Built once: building a statement costs more than running it.
+_MEMBERSHIP = and_(AttemptMember.attempt_id == Attempt.id, AttemptMember.node_id == Node.id)
+_REPORTER_NEWEST = _reporter_statement(_MEMBERSHIP)
+_REPORTER = _reporter_statement(and_(_MEMBERSHIP, AttemptMember.id == bindparam("member_id")))
+# Rows a report adds, inserted as they come rather than at the session's flush, as plain
+# INSERTs (the tables', without the ORM's bulk machinery).
+_INSERT_LOGS = insert(table_of(LogEntry))
+_INSERT_METRIC = insert(table_of(Metric))
+_INSERT_SNAPSHOT = insert(table_of(Snapshot))
+
+
 def _store_logs(
     session: Session, job: Job, attempt: Attempt, node: Node, report: AttemptReport
 ) -> None:
-    session.add_all(
-        LogEntry(
-            job_id=job.id,
-            attempt_id=attempt.id,
-            node_id=node.id,
-            time=line.time,
-            local_rank=line.local_rank,
-            global_rank=line.global_rank,
-            stream=line.stream,
-            line=line.line,
-        )
+    if not report.logs:
+        return
+    rows = [
+        {
+            "job_id": job.id,
+            "attempt_id": attempt.id,
+            "node_id": node.id,
+            "time": line.time,
+            "local_rank": line.local_rank,
+            "global_rank": line.global_rank,
+            "stream": line.stream,
+            "line": line.line,
+        }
         for line in report.logs
-    )
+    ]
+    session.execute(_INSERT_LOGS, rows)
 
 
 @dataclass
@@ -242,10 +271,12 @@ def _rendezvous(data: RendezvousComplete, at: _Applied) -> None:
     so the cause comes before the smaller rendezvous it explains; the node's own
     ``node_left`` follows when the controller marks it.
     """
-    at.member.round_reported_after = last_event_id(at.session, at.job.id, at.attempt.id) or 0
+    seen = last_event_id(at.session, at.job.id, at.attempt.id) or 0
+    write(at.session, at.member, round_reported_after=seen)
     world = data.world_size or None
     before = at.attempt.world_size
-    at.attempt.world_size = at.job.world_size = world
+    write(at.session, at.attempt, world_size=world)
+    write(at.session, at.job, world_size=world)
     if data.group_rank == 0:
         at.round_state.written = _Round.NONE
         members = len(active_members(at.session, at.attempt.id))
@@ -394,9 +425,9 @@ def _cold_start(data: ColdStarted, at: _Applied) -> None:
 
 @_apply_event.register
 def _started(data: TrainingStarted, at: _Applied) -> None:
-    at.attempt.started_count += 1
+    write(at.session, at.attempt, started_count=at.attempt.started_count + 1)
     if data.total_steps is not None:
-        at.job.total_steps = data.total_steps
+        write(at.session, at.job, total_steps=data.total_steps)
     if data.resumed_from_step is not None:
         at.add_event(
             "resumed",
@@ -415,21 +446,19 @@ def _started(data: TrainingStarted, at: _Applied) -> None:
 
 @_apply_event.register
 def _progress(data: TrainingProgress, at: _Applied) -> None:
-    at.session.add(
-        Metric(
-            job_id=at.job.id,
-            attempt_id=at.attempt.id,
-            time=at.time,
-            step=data.step,
-            epoch=data.epoch,
-            loss=data.loss,
-            samples_per_s=data.samples_per_s,
-            world_size=data.world_size,
-            named=dict(data.metrics) or None,
-        )
-    )
-    at.job.last_step = data.step
-    at.job.last_loss = data.loss
+    metric = {
+        "job_id": at.job.id,
+        "attempt_id": at.attempt.id,
+        "time": at.time,
+        "step": data.step,
+        "epoch": data.epoch,
+        "loss": data.loss,
+        "samples_per_s": data.samples_per_s,
+        "world_size": data.world_size,
+        "named": dict(data.metrics) or None,
+    }
+    at.session.execute(_INSERT_METRIC, metric)
+    write(at.session, at.job, last_step=data.step, last_loss=data.loss)
     complete = data.startup is not None and data.startup.first_step_at is not None
     # the first report of a worker process; see ``_Round`` for why not every one
     if data.startup is not None and at.round_state.due(
@@ -446,19 +475,18 @@ def _progress(data: TrainingProgress, at: _Applied) -> None:
 
 @_apply_event.register
 def _snapshot_saved(data: SnapshotSaved, at: _Applied) -> None:
-    at.session.add(
-        Snapshot(
-            job_id=at.job.id,
-            attempt_id=at.attempt.id,
-            step=data.step,
-            epoch=data.epoch,
-            path=data.path,
-            bytes=data.bytes,
-            sha256=data.sha256,
-            world_size=data.world_size,
-            created_at=at.time,
-        )
-    )
+    snapshot = {
+        "job_id": at.job.id,
+        "attempt_id": at.attempt.id,
+        "step": data.step,
+        "epoch": data.epoch,
+        "path": data.path,
+        "bytes": data.bytes,
+        "sha256": data.sha256,
+        "world_size": data.world_size,
+        "created_at": at.time,
+    }
+    at.session.execute(_INSERT_SNAPSHOT, snapshot)
     at.add_event("snapshot_saved", f"snapshot saved at step {data.step}", data)
 
 
@@ -482,7 +510,9 @@ def _snapshot_skipped(data: SnapshotSkipped, at: _Applied) -> None:
 
 @_apply_event.register
 def _finished(data: TrainingFinished, at: _Applied) -> None:
-    at.job.last_step = data.step if data.step is not None else at.job.last_step or 0
+    write(
+        at.session, at.job, last_step=data.step if data.step is not None else at.job.last_step or 0
+    )
     at.add_event(
         "training_finished", f"training finished at step {data.step}, loss {data.loss}", data
     )

@@ -8,13 +8,14 @@ newer state.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import ColumnElement, update
+from sqlalchemy import ClauseElement, ColumnElement, Update, bindparam, update
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.attributes import instance_state, set_committed_value
 
 from service.models import Attempt, AttemptMember, Job, Node
 from service.states import (
@@ -57,18 +58,64 @@ def transition(
     if type(new) is not type(current):
         raise TypeError(f"{model.__name__} has a {type(current).__name__}, not a {new!r}")
     check_transition(_TABLES[model], current, new)
-    result = session.execute(
-        update(model)
-        .where(model.id == row.id, model.state == current, *also_where)
-        .values(state=new, **values)
-        .execution_options(synchronize_session=False)
-    )
+    also = tuple(also_where)
+    if also or any(isinstance(v, ClauseElement) for v in values.values()):
+        stmt = (
+            update(model)
+            .where(model.id == row.id, model.state == current, *also)
+            .values(state=new, **values)
+            .execution_options(synchronize_session=False)
+        )
+        result = session.execute(stmt)
+    else:
+        params = {_ID: row.id, _FROM: current, **_named({"state": new, **values})}
+        result = session.execute(_update_of(model, ("state", *values), True), params)
     if result.rowcount != 1:  # type: ignore[attr-defined]
         return False
     # The database holds these values now; the row learns them without writing them again.
     for key, value in {"state": new, **values}.items():
         set_committed_value(row, key, value)
     return True
+
+
+def write(session: Session, row: Stateful, **values: Any) -> None:
+    """Write ``values`` (plain values, not SQL) to ``row``'s columns now, in one UPDATE by
+    its id, and let ``row`` hold them as written: what setting its attributes and a flush
+    do, without the flush's bookkeeping. As a flush, it leaves out a value ``row`` already
+    holds as loaded, and sends nothing if that leaves none. Not for a lifecycle state
+    (``transition``)."""
+    if "state" in values:
+        raise ValueError("a state changes by transition(), which checks it")
+    loaded = instance_state(row).dict
+    changed = {k: v for k, v in values.items() if k not in loaded or loaded[k] != v}
+    if not changed:
+        return
+    params = {_ID: row.id, **_named(changed)}
+    session.execute(_update_of(type(row), tuple(changed), False), params)
+    for key, value in changed.items():
+        set_committed_value(row, key, value)
+
+
+# The bound parameters of ``_update_of``'s statements: the row's id, the state it was read
+# in, and each column's new value (a name of its own: a column's name is SQLAlchemy's).
+_ID, _FROM = "row_id", "from_state"
+
+
+def _named(values: dict[str, Any]) -> dict[str, Any]:
+    return {f"new_{key}": value for key, value in values.items()}
+
+
+@functools.cache
+def _update_of(model: type[Stateful], columns: tuple[str, ...], checks_state: bool) -> Update:
+    """An UPDATE of ``model``'s row by id that sets ``columns`` (and, ``checks_state``,
+    only while its state is still the one read), built once for each such shape: building
+    a statement costs more than running it."""
+    table = model.__table__.c
+    where = [table.id == bindparam(_ID)]
+    if checks_state:
+        where.append(table.state == bindparam(_FROM, type_=table.state.type))
+    sets = {c: bindparam(f"new_{c}", type_=table[c].type) for c in columns}
+    return update(model).where(*where).values(sets).execution_options(synchronize_session=False)
 
 
 def transition_all(

@@ -96,3 +96,49 @@ def test_a_progress_report_reads_the_timeline_only_for_what_it_puts_there(
         assert r.status_code == 200, r.text
     assert [s for s in sent if "max(job_events.time)" in s], sent
     assert "first_step" in kinds(api, job_id)
+
+
+def _work(sent: list[str]) -> list[str]:
+    return [" ".join(s.split()) for s in sent if not s.startswith("BEGIN")]
+
+
+def test_a_progress_report_writes_each_row_once(api: Cluster, reconciler: Reconciler) -> None:
+    """Its reads, the job's lock, then one statement for each row it writes: its log
+    line, its progress, and the job's last step, nothing more."""
+    node_id, _, assignment = at_work(api, reconciler)
+    progress = event("progress", step=3, epoch=0, loss=0.25, samples_per_s=1.0, world_size=1)
+    line = {"time": progress["time"], "line": "step 3"}
+
+    with statements(engine_of(api)) as sent:
+        r = report(api, node_id, assignment["attempt_id"], events=[progress], logs=[line])
+        assert r.status_code == 200, r.text
+    _, _, *writes = _work(sent)
+    assert sorted(w.split(" (")[0].split(" SET ")[0] for w in writes) == [
+        "INSERT INTO log_lines",
+        "INSERT INTO metrics",
+        "UPDATE jobs",
+    ], writes
+
+
+def test_a_rendezvous_that_changes_no_world_size_writes_only_the_node_s_round(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    """The second node of a round reports the world size the first one already wrote:
+    the job and the attempt are not written again."""
+    a, b = register(api, "a"), register(api, "b")
+    job_id = submit(api, "2:2")
+    reconciler.run_once()
+    (on_a,) = heartbeat(api, a)
+    assert [m["attempt_id"] for m in heartbeat(api, b)] == [on_a["attempt_id"]]
+    attempt_id = on_a["attempt_id"]
+
+    def rendezvous(rank: int) -> dict[str, Any]:
+        return event("rendezvous", world_size=2, group_rank=rank, group_world_size=2)
+
+    assert report(api, a, attempt_id, events=[rendezvous(0)]).status_code == 200
+    with statements(engine_of(api)) as sent:
+        r = report(api, b, attempt_id, events=[rendezvous(1)])
+        assert r.status_code == 200, r.text
+    writes = [w for w in _work(sent) if not w.startswith("SELECT")]
+    assert len(writes) == 1 and writes[0].startswith("UPDATE attempt_members SET"), writes
+    assert api.get(f"/api/v1/jobs/{job_id}").json()["world_size"] == 2

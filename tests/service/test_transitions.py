@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from cryptography.fernet import Fernet
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import Heartbeat, NodeRegister
@@ -17,7 +18,8 @@ from service.nodes import leave, mark_lost, record_heartbeat, register_node
 from service.secrets import Keyring
 from service.settings import ControllerSettings
 from service.states import AttemptState, InvalidTransition, JobState, NodeState
-from service.transitions import transition
+from service.transitions import transition, write
+from tests.service.helpers import statements
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 KEYRING = Keyring((Fernet.generate_key(),), "a test key")
@@ -184,3 +186,58 @@ def test_a_node_changes_state_only_along_its_lifecycle(
             token = issue_node_token(session, registered)
         node = _read_node(factory, node_id)
         assert (node.state, node.address, node.slots) == (NodeState.ALIVE, "10.0.0.2", 2)
+
+
+def _engine(session: Session) -> Engine:
+    engine = session.get_bind()
+    assert isinstance(engine, Engine)
+    return engine
+
+
+def test_a_write_sends_only_what_changed_in_one_update(factory: sessionmaker[Session]) -> None:
+    job_id = _job(factory, JobState.RUNNING)
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        with statements(_engine(session)) as sent:
+            write(session, job, last_step=7, last_loss=0.5, message="")  # message: unchanged
+            write(session, job, last_step=7)  # nothing changed: nothing sent
+        assert len(sent) == 1, sent
+        assert sent[0].startswith("UPDATE jobs SET last_step="), sent
+        assert "message" not in sent[0], sent
+        assert (job.last_step, job.last_loss) == (7, 0.5)
+        assert not session.is_modified(job)  # written once, not again at the flush
+    stored = _read_job(factory, job_id)
+    assert (stored.last_step, stored.last_loss, stored.state) == (7, 0.5, JobState.RUNNING)
+
+
+def test_a_write_does_not_change_a_state(factory: sessionmaker[Session]) -> None:
+    job_id = _job(factory, JobState.RUNNING)
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        with pytest.raises(ValueError, match="by transition"):
+            write(session, job, state=JobState.SUCCEEDED)
+    assert _read_job(factory, job_id).state is JobState.RUNNING
+
+
+def test_transitions_of_one_shape_each_check_their_own_row(
+    factory: sessionmaker[Session],
+) -> None:
+    """A compare-and-set's statement is built once for its table and columns; each use
+    still names its own row and the state that row was read in."""
+    first, second = _job(factory), _job(factory, JobState.RUNNING)
+    with transaction(factory) as session:
+        a, b = session.get(Job, first), session.get(Job, second)
+        assert a is not None and b is not None
+        assert transition(session, a, JobState.CANCELLED, message="one")
+        session.execute(Job.__table__.update().where(Job.id == second).values(state="FAILED"))
+        assert not transition(session, b, JobState.SUCCEEDED, message="two")
+    assert (_read_job(factory, first).state, _read_job(factory, first).message) == (
+        JobState.CANCELLED,
+        "one",
+    )
+    assert (_read_job(factory, second).state, _read_job(factory, second).message) == (
+        JobState.FAILED,
+        "",
+    )
