@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint postgres browser slurm bench bench-snapshots bench-status \
-	bench-control-plane bench-reconcile-pass bench-chaos clean
+	bench-control-plane bench-reconcile-pass bench-report-cost bench-chaos clean
 
 install: $(VENV)/.installed
 
@@ -76,6 +76,11 @@ bench-control-plane: install postgres
 
 bench-reconcile-pass: install postgres
 	$(PY) -m bench.reconcile_pass --nodes 1000 --jobs 10000 --db postgresql
+
+# What each kind of node report costs; add --baseline-code DIR (a checkout of another
+# commit, e.g. from git worktree) to price that code's reports in the same run.
+bench-report-cost: install postgres
+	$(PY) -m bench.report_cost --jobs 200 --db postgresql
 
 # Needs root (every node agent in a network namespace of its own).
 bench-chaos: install
