@@ -15,7 +15,8 @@ the same timeline events as every other job.
 ``--baseline-code DIR`` runs the same reports, in the same run, on the code in ``DIR`` (a
 checkout of another commit: ``git worktree add /tmp/base REV``) in a process of its own,
 alternating with this code's for ``--rounds`` rounds, and prints the two side by side.
-This file is run as a script there, importing ``service`` and ``contract`` from ``DIR``.
+This file is run as a script there, importing ``service``, ``contract`` and the database
+set-up of ``bench.reconcile_pass`` from ``DIR``.
 
     python -m bench.report_cost --jobs 200 --db postgresql
     python -m bench.report_cost --baseline-code /tmp/base
@@ -31,18 +32,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
-ENROLMENT = "enrol-" + "c" * 32
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
+from bench.reconcile_pass import ENROLMENT, T0, database
+
 # The kinds of report, in the order a job's life sends them.
 KINDS = (
     "rendezvous and start (rank 0)",
@@ -60,28 +58,6 @@ class Member:
     node_id: int
     token: str
     member_id: int
-
-
-@contextmanager
-def database(kind: str, work: Path) -> Iterator[dict[str, str]]:
-    """Settings for a fresh database of ``kind``; a PostgreSQL one is dropped after."""
-    import psycopg
-    from cryptography.fernet import Fernet
-
-    if kind == "sqlite":
-        yield {"database_url": f"sqlite:///{work / 'relaunch.db'}"}
-        return
-    name = f"relaunch_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield {
-            "database_url": f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}",
-            "secrets_keys": Fernet.generate_key().decode(),
-        }
-    finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def measure(jobs: int, db: str) -> dict[str, Any]:
