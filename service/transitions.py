@@ -17,6 +17,7 @@ from sqlalchemy import ClauseElement, ColumnElement, Update, bindparam, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import instance_state, set_committed_value
 
+from service.errors import StaleState
 from service.models import Attempt, AttemptMember, Job, Node
 from service.states import (
     ATTEMPT_TRANSITIONS,
@@ -59,7 +60,7 @@ def transition(
         raise TypeError(f"{model.__name__} has a {type(current).__name__}, not a {new!r}")
     check_transition(_TABLES[model], current, new)
     also = tuple(also_where)
-    if also or any(isinstance(v, ClauseElement) for v in values.values()):
+    if also or any(_is_sql(v) for v in values.values()):
         stmt = (
             update(model)
             .where(model.id == row.id, model.state == current, *also)
@@ -82,8 +83,8 @@ def write(session: Session, row: Stateful, **values: Any) -> None:
     """Write ``values`` (plain values, not SQL) to ``row``'s columns now, in one UPDATE by
     its id, and let ``row`` hold them as written: what setting its attributes and a flush
     do, without the flush's bookkeeping. As a flush, it leaves out a value ``row`` already
-    holds as loaded, and sends nothing if that leaves none. Not for a lifecycle state
-    (``transition``)."""
+    holds as loaded, and sends nothing if that leaves none; ``StaleState`` if the row is gone.
+    Not for a lifecycle state (``transition``)."""
     if "state" in values:
         raise ValueError("a state changes by transition(), which checks it")
     loaded = instance_state(row).dict
@@ -91,7 +92,9 @@ def write(session: Session, row: Stateful, **values: Any) -> None:
     if not changed:
         return
     params = {_ID: row.id, **_named(changed)}
-    session.execute(_update_of(type(row), tuple(changed), False), params)
+    result = session.execute(_update_of(type(row), tuple(changed), False), params)
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleState(f"{type(row).__name__} {row.id} is gone")  # as a flush would fail
     for key, value in changed.items():
         set_committed_value(row, key, value)
 
@@ -99,6 +102,12 @@ def write(session: Session, row: Stateful, **values: Any) -> None:
 # The bound parameters of ``_update_of``'s statements: the row's id, the state it was read
 # in, and each column's new value (a name of its own: a column's name is SQLAlchemy's).
 _ID, _FROM = "row_id", "from_state"
+
+
+def _is_sql(value: Any) -> bool:
+    """Whether ``value`` is SQL (an expression, or a mapped attribute such as ``Job.x``)
+    rather than a value to send beside the statement."""
+    return isinstance(value, ClauseElement) or hasattr(value, "__clause_element__")
 
 
 def _named(values: dict[str, Any]) -> dict[str, Any]:

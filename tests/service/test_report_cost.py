@@ -112,7 +112,7 @@ def test_a_progress_report_writes_each_row_once(api: Cluster, reconciler: Reconc
     with statements(engine_of(api)) as sent:
         r = report(api, node_id, assignment["attempt_id"], events=[progress], logs=[line])
         assert r.status_code == 200, r.text
-    _, _, *writes = _work(sent)
+    writes = [w for w in _work(sent) if not w.startswith("SELECT")]
     assert sorted(w.split(" (")[0].split(" SET ")[0] for w in writes) == [
         "INSERT INTO log_lines",
         "INSERT INTO metrics",

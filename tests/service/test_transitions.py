@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from contract.protocol import Heartbeat, NodeRegister
 from service.auth import issue_node_token
 from service.db import make_engine, make_session_factory, transaction, upgrade_to_head
+from service.errors import StaleState
 from service.models import Job, Node
 from service.nodes import leave, mark_lost, record_heartbeat, register_node
 from service.secrets import Keyring
@@ -226,18 +227,28 @@ def test_transitions_of_one_shape_each_check_their_own_row(
 ) -> None:
     """A compare-and-set's statement is built once for its table and columns; each use
     still names its own row and the state that row was read in."""
-    first, second = _job(factory), _job(factory, JobState.RUNNING)
+    first, second, third = _job(factory), _job(factory), _job(factory)
     with transaction(factory) as session:
-        a, b = session.get(Job, first), session.get(Job, second)
-        assert a is not None and b is not None
+        rows = [session.get(Job, job_id) for job_id in (first, second, third)]
+        a, b, c = rows
+        assert a is not None and b is not None and c is not None
         assert transition(session, a, JobState.CANCELLED, message="one")
-        session.execute(Job.__table__.update().where(Job.id == second).values(state="FAILED"))
-        assert not transition(session, b, JobState.SUCCEEDED, message="two")
-    assert (_read_job(factory, first).state, _read_job(factory, first).message) == (
-        JobState.CANCELLED,
-        "one",
-    )
-    assert (_read_job(factory, second).state, _read_job(factory, second).message) == (
-        JobState.FAILED,
-        "",
-    )
+        assert transition(session, b, JobState.CANCELLED, message="two")
+        session.execute(Job.__table__.update().where(Job.id == third).values(state="RUNNING"))
+        assert not transition(session, c, JobState.CANCELLED, message="three")
+    stored = [_read_job(factory, job_id) for job_id in (first, second, third)]
+    assert [(j.state, j.message) for j in stored] == [
+        (JobState.CANCELLED, "one"),
+        (JobState.CANCELLED, "two"),
+        (JobState.RUNNING, ""),
+    ]
+
+
+def test_a_write_to_a_row_that_is_gone_raises(factory: sessionmaker[Session]) -> None:
+    job_id = _job(factory)
+    with transaction(factory) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        session.execute(Job.__table__.delete().where(Job.id == job_id))
+        with pytest.raises(StaleState, match="is gone"):
+            write(session, job, last_step=1)
