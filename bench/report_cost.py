@@ -256,11 +256,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]
     out = {}
     for kind in KINDS:
         costs = [c for run in runs for c in run["costs"][kind]]
-        out[kind] = (
-            statistics.median(c[0] for c in costs),
-            statistics.median(c[1] for c in costs),
-            statistics.median(c[2] for c in costs),
-        )
+        statements, cpu, wall = (statistics.median(c[i] for c in costs) for i in range(3))
+        out[kind] = (statements, cpu, wall)
     return out
 
 
@@ -288,14 +285,15 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         for name, code in codes:
             runs[name].append(_run_elsewhere(code, args.jobs, args.db))
-    _print(args, codes, runs)
+    summaries = {name: _summary(r) for name, r in runs.items()}
+    _print(args, codes, runs, summaries)
     if args.json is not None:
         results = {
             name: {
                 "code": str(code),
                 "per_report": {
                     kind: dict(zip(("statements", "cpu_ms", "wall_ms"), cost, strict=True))
-                    for kind, cost in _summary(runs[name]).items()
+                    for kind, cost in summaries[name].items()
                 },
                 "job_states": [r["job_states"] for r in runs[name]],
                 "timelines": [r["timelines"] for r in runs[name]],
@@ -306,13 +304,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print(
-    args: argparse.Namespace, codes: list[tuple[str, Path]], runs: dict[str, list[dict[str, Any]]]
+    args: argparse.Namespace,
+    codes: list[tuple[str, Path]],
+    runs: dict[str, list[dict[str, Any]]],
+    summaries: dict[str, dict[str, tuple[float, float, float]]],
 ) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=max(100, 36 * len(codes) + 40))
-    summaries = {name: _summary(r) for name, r in runs.items()}
     title = (
         f"one node report, applied as the route applies it: {args.jobs} jobs of two nodes, "
         f"{args.db}, {args.rounds} run(s) of each code; medians"
@@ -330,19 +330,17 @@ def _print(
             cells += [f"{statements:g}", f"{cpu:.2f}", f"{wall:.2f}"]
         table.add_row(*cells)
     console.print(table)
+    life_cpu = {name: sum(summaries[name][k][1] for k in KINDS) for name, _ in codes}
     for name, code in codes:
-        life_cpu = sum(summaries[name][k][1] for k in KINDS)
         life_statements = sum(summaries[name][k][0] for k in KINDS)
         last = runs[name][-1]
         console.print(
             f"{name} ({code}): a job's {len(KINDS)} reports {life_statements:g} statements, "
-            f"{life_cpu:.1f} ms of CPU (sum of medians); jobs at the end {last['job_states']}; "
-            f"{len(last['timelines'])} distinct timeline(s)"
+            f"{life_cpu[name]:.1f} ms of CPU (sum of medians); jobs at the end "
+            f"{last['job_states']}; {len(last['timelines'])} distinct timeline(s)"
         )
     if len(codes) == 2:
-        ratio = sum(summaries["baseline"][k][1] for k in KINDS) / sum(
-            summaries["this code"][k][1] for k in KINDS
-        )
+        ratio = life_cpu["baseline"] / life_cpu["this code"]
         console.print(f"a job's reports cost the baseline {ratio:.2f}x this code's CPU")
         same = {json.dumps(r["timelines"]) for rs in runs.values() for r in rs}
         console.print(

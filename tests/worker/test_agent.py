@@ -223,6 +223,7 @@ def test_a_node_told_a_longer_interval_first_waits_the_old_and_up_to_the_new(
 
 def _fleet_phases(
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     nodes: int,
     seed: int,
     told: Callable[[float], float],
@@ -234,6 +235,8 @@ def _fleet_phases(
     and when each registers), each heartbeat answered with the interval ``told(now)``,
     stepped ``ticks`` times ``tick_s`` apart: how many of the heartbeats sent within
     ``window`` fell in each second of ten (the second's number modulo 10)."""
+    # These agents start no processes: none to reap (a look at /proc at every report tick).
+    monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
     nodes_clock, rng = Clock(), random.Random(seed)
     agents = []
     for i in range(nodes):
@@ -266,11 +269,10 @@ def test_a_fleet_told_a_much_longer_interval_spreads_its_heartbeats(
     """Nodes that registered within one second at 2 s, told 10 s at once (a controller's
     pace after many nodes joined, or one restarted): their heartbeats come spread over the
     ten seconds, not within the two of the old interval."""
-    # These agents start no processes: none to reap (a look at /proc at every report tick).
-    monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
     nodes = 20
     seconds = _fleet_phases(
         tmp_path,
+        monkeypatch,
         nodes,
         seed=7,
         told=lambda now: 2.0 if now < 110.0 else 10.0,
@@ -291,10 +293,10 @@ def test_a_fleet_whose_interval_grows_in_steps_spreads_its_heartbeats_evenly(
     the ten holds many more than another. A first wait between the old interval and the
     new one kept most of the old phases: here one second of the ten held 20 heartbeats and
     another 240."""
-    monkeypatch.setattr(procs, "reap_children", lambda *args, **kwargs: None)
     nodes = 100
     seconds = _fleet_phases(
         tmp_path,
+        monkeypatch,
         nodes,
         seed=3,
         told=lambda now: 2.0 if now < 110.0 else 9.0 if now < 150.0 else 10.0,
