@@ -101,6 +101,9 @@ class HangDetected(EventData):
 
     ``rule`` says where ``timeout_s`` came from: ``fixed`` (the spec's number) or
     ``adaptive`` (derived from the worker's beats); ``derivation`` says how, in words.
+    ``teardown``: the worker had begun its teardown and then used almost no CPU for
+    ``timeout_s`` (``worker.hang.TeardownWatch``); it is ended as finished, and nothing
+    restarts.
     """
 
     kind = EventKind.HANG
@@ -108,7 +111,7 @@ class HangDetected(EventData):
     global_rank: Count | None = None
     idle_s: FiniteOrNone = None
     timeout_s: FiniteOrNone = None
-    rule: Literal["fixed", "adaptive"] | None = None
+    rule: Literal["fixed", "adaptive", "teardown"] | None = None
     derivation: Annotated[PrintedText, Field(max_length=300)] | None = None
     # The hung workers were all that still ran on their node, and another node's workers
     # had all finished: they are ended, nothing restarts, and the node ends as finished.

@@ -379,6 +379,15 @@ def _hang_timeout_text(data: HangDetected) -> str:
 
 @_apply_event.register
 def _hang(data: HangDetected, at: _Applied) -> None:
+    if data.rule == "teardown":
+        at.add_event(
+            "hang_detected",
+            f"worker rank {data.global_rank} (local rank {data.local_rank} on node "
+            f"{at.node.name}) was stuck in its teardown: it {data.derivation}; its stack "
+            "dump is in the logs, and it is ended as finished, without a restart",
+            data,
+        )
+        return
     at.add_event(
         "hang_detected",
         f"worker rank {data.global_rank} (local rank {data.local_rank} on "

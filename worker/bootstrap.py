@@ -38,6 +38,12 @@ bootstrap adds these things around it:
   can abort one in its teardown, "terminate called without an active exception")
   has done its work: the launcher takes it as finished
   (``worker.launch.returned_before_signals``).
+- a mark that the program began its teardown: ``teardown_started.PID`` beside the
+  error file, written when the program destroys its default process group
+  (``torch.distributed.destroy_process_group()``, wrapped), before torch does, and
+  removed when it initialises one again. With it, or with the mark above, the launcher
+  judges the worker by its CPU, not its beats (``worker.hang.TeardownWatch``): a
+  teardown that hangs is ended as finished.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import importlib.util
 import os
 import runpy
@@ -52,6 +59,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from worker.runtime.devices import check_visible_devices
 
@@ -59,6 +67,8 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # Written beside the worker's error file once its program has returned (``main``).
 PROGRAM_RETURNED = "program_returned"
+# Written beside it once the program destroyed its default process group.
+TEARDOWN_STARTED = "teardown_started"
 # A collective that broke because a peer process or node went away (gloo on CPU, NCCL on
 # GPU). The failed peer, if it still lives, reports its own failure; this one is a
 # consequence, which the controller counts as a membership change, not a restart.
@@ -187,9 +197,51 @@ def _mark_if_returned(pid: int) -> None:
     error_file = os.environ.get(ERROR_FILE_ENV)
     if not _returned or os.getpid() != pid or not error_file or error_file == os.devnull:
         return
+    _write_mark(returned_mark(error_file, pid))
+
+
+def _write_mark(path: Path) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     with contextlib.suppress(OSError):
-        os.close(os.open(returned_mark(error_file, pid), flags, 0o644))
+        os.close(os.open(path, flags, 0o644))
+
+
+def teardown_mark(error_file: str, pid: int) -> Path:
+    """Where worker ``pid``, whose error file is ``error_file``, marks that its program
+    destroyed its default process group."""
+    return Path(error_file).with_name(f"{TEARDOWN_STARTED}.{pid}")
+
+
+def watch_teardown(pid: int) -> None:
+    """Wrap ``torch.distributed``'s ``destroy_process_group`` and ``init_process_group``
+    (in both modules a script may call them from) to mark, in process ``pid`` only, that
+    the default group was destroyed, and to take the mark back when one is initialised
+    again. Best effort: a mark not written leaves the worker judged by its beats."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if not error_file or error_file == os.devnull:
+        return
+    mark = teardown_mark(error_file, pid)
+    destroy, init = c10d.destroy_process_group, c10d.init_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        if os.getpid() == pid and (group is None or group is c10d.GroupMember.WORLD):
+            _write_mark(mark)
+        destroy(group)
+
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        init(*args, **kwargs)
+        if os.getpid() == pid:
+            with contextlib.suppress(OSError):
+                mark.unlink(missing_ok=True)
+
+    for module in (dist, c10d):
+        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
+        setattr(module, "init_process_group", init_process_group)  # noqa: B010
 
 
 def main() -> None:
@@ -201,6 +253,7 @@ def main() -> None:
     global _returned
     startup.mark(startup.Moment.IMPORTED)
     step_counter.install()
+    watch_teardown(os.getpid())
     atexit.register(_mark_if_returned, os.getpid())
     try:
         record(run_worker)(sys.argv[1:])

@@ -25,6 +25,14 @@ saving while the others wait, before any such pause was seen) costs one restart,
 the next time the same pause is allowed twice as long, up to the cap; a real hang is
 still found, a little later each time.
 
+A worker that has begun its teardown (it destroyed its default process group, or its
+program returned: ``worker.bootstrap``'s marks) trains no more, and its beats say
+nothing. ``TeardownWatch`` judges it instead: one that has used less than
+``TEARDOWN_CPU_SHARE`` of a core over the last ``TEARDOWN_IDLE_S`` is stuck in its
+teardown (a process group's destructor waiting for a thread or a peer, which torch's
+gloo can do at exit). Work after the teardown began (a final save, an upload in an
+``atexit`` handler) uses CPU and is left alone; a teardown that spins is not found.
+
 The launcher sees beats only at its monitor passes (every 0.2 s), so several beats
 between two passes count as one interval: with very short steps the median is the
 pass interval, and the floor decides. A new worker process (a restart, a new
@@ -43,6 +51,8 @@ FACTOR = 10.0  # times the median interval between beats
 MIN_INTERVALS = 5  # intervals seen before the rhythm is trusted
 WINDOW = 64  # the most recent intervals the median is taken over
 LONGEST_FACTOR = 2.0  # times the longest interval seen
+TEARDOWN_IDLE_S = 30.0  # the window over which a worker in its teardown is judged
+TEARDOWN_CPU_SHARE = 0.01  # of one core: less than this over the window is stuck
 
 
 @dataclass(frozen=True)
@@ -143,3 +153,27 @@ class BeatWatches:
         if rule.adaptive:
             self.rule = replace(rule, floor_s=min(rule.timeout_s, 2 * rule.floor_s))
         return self.rule.floor_s
+
+
+@dataclass
+class TeardownWatch:
+    """The CPU time one worker process in its teardown has used, as seen at the
+    launcher's passes: ``observe(now, cpu_s)`` answers whether it is stuck, that is,
+    whether over the last ``idle_s`` or more it used less than ``cpu_share`` of a core.
+    The window starts at the first pass that saw the process in its teardown."""
+
+    idle_s: float = TEARDOWN_IDLE_S
+    cpu_share: float = TEARDOWN_CPU_SHARE
+    samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def observe(self, now: float, cpu_s: float) -> bool:
+        self.samples.append((now, cpu_s))
+        # Keep one sample at least ``idle_s`` old, the newest such: the window's start.
+        while len(self.samples) > 1 and now - self.samples[1][0] >= self.idle_s:
+            self.samples.popleft()
+        start, start_cpu = self.samples[0]
+        window = now - start
+        return window >= self.idle_s and cpu_s - start_cpu < self.cpu_share * window
+
+    def derivation(self, what: str) -> str:
+        return f"used less than {self.cpu_share:.0%} of a core for {self.idle_s:g} s after {what}"

@@ -40,11 +40,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
+
+import psutil
 
 from contract.events import (
     UNCHARGED_CAUSES,
@@ -60,8 +62,13 @@ from contract.logs import LOG_FORMAT
 from contract.prctl import set_parent_death_signal
 from contract.protocol import RENDEZVOUS_CLOSED_EXIT, RestartPolicy
 from worker import warm
-from worker.bootstrap import STACK_DUMP_SIGNAL, error_says_peer_lost, returned_mark
-from worker.hang import BeatWatches, HangRule, HangTimeout
+from worker.bootstrap import (
+    STACK_DUMP_SIGNAL,
+    error_says_peer_lost,
+    returned_mark,
+    teardown_mark,
+)
+from worker.hang import TEARDOWN_IDLE_S, BeatWatches, HangRule, HangTimeout, TeardownWatch
 from worker.runtime.events import EventWriter
 from worker.runtime.progress import progress_file
 from worker.sandbox import WORKER_ERROR_DIR, WorkerSandbox, enter
@@ -160,6 +167,9 @@ class Supervision:
     # workers had all finished: their end is this node's finish, not a failure.
     ended_after_peers: bool = False
     beats: BeatWatches | None = field(init=False, default=None)
+    # Workers in their teardown (by pid), judged by their CPU; those ended as stuck in it.
+    teardowns: dict[int, TeardownWatch] = field(default_factory=dict)
+    teardown_pids: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.hang_rule is not None:
@@ -243,15 +253,20 @@ class Supervision:
                 with contextlib.suppress(FileNotFoundError):
                     progress_file(self.progress_dir, local_rank).unlink()
 
-    def find_hung(self, workers: Sequence[Any]) -> list[tuple[Any, float, HangTimeout]]:
+    def find_hung(
+        self, workers: Sequence[Any], in_teardown: Collection[int] = ()
+    ) -> list[tuple[Any, float, HangTimeout]]:
         """(worker, idle seconds, timeout) of each worker that beat once and then not for
-        its timeout (``worker.hang``). Called at every monitor pass: it also records the
-        beats it sees, which an adaptive timeout is derived from."""
+        its timeout (``worker.hang``), of those not ``in_teardown`` (pids). Called at every
+        monitor pass: it also records the beats it sees, which an adaptive timeout is
+        derived from."""
         if self.beats is None or self.progress_dir is None:
             return []
         now = self.clock()
         hung = []
         for worker in workers:
+            if worker.id in in_teardown:
+                continue
             try:
                 beat_at = progress_file(self.progress_dir, worker.local_rank).stat().st_mtime
             except FileNotFoundError:
@@ -311,6 +326,64 @@ class Supervision:
             self.hung_pids.add(worker.id)
             _signal(worker.id, signal.SIGKILL)
 
+    def find_stuck_teardowns(
+        self, workers: Sequence[Any], in_teardown: dict[int, str]
+    ) -> list[tuple[Any, str]]:
+        """(worker, how it was judged) of each worker in its teardown (``in_teardown``:
+        pid to what began it) that its ``TeardownWatch`` finds stuck. Called at every
+        monitor pass; a worker whose CPU time cannot be read is left alone."""
+        for pid in list(self.teardowns):
+            if pid not in in_teardown:
+                del self.teardowns[pid]
+        now = self.clock()
+        stuck = []
+        for worker in workers:
+            what = in_teardown.get(worker.id)
+            if what is None or worker.id in self.teardown_pids:
+                continue
+            try:
+                times = psutil.Process(worker.id).cpu_times()
+            except psutil.Error:
+                continue
+            watch = self.teardowns.setdefault(worker.id, TeardownWatch())
+            if watch.observe(now, times.user + times.system):
+                stuck.append((worker, watch.derivation(what)))
+        return stuck
+
+    def end_stuck_teardowns(self, all_workers: Sequence[Any], stuck: list[tuple[Any, str]]) -> None:
+        """Dump every local worker's stacks into the logs, then SIGKILL the workers stuck
+        in their teardown. Their work is done: the next monitor pass takes the group as
+        finished (``ended_in_teardown``), with no restart."""
+        for worker, derivation in stuck:
+            logger.error(
+                "%s worker rank %s (local rank %s, pid %s) is stuck in its teardown (it %s); "
+                "dumping stacks and ending it as finished",
+                _CTX, worker.global_rank, worker.local_rank, worker.id, derivation,
+            )  # fmt: skip
+            self.events.emit(
+                HangDetected(
+                    local_rank=worker.local_rank,
+                    global_rank=worker.global_rank,
+                    idle_s=TEARDOWN_IDLE_S,
+                    timeout_s=TEARDOWN_IDLE_S,
+                    rule="teardown",
+                    derivation=derivation[:300],
+                )
+            )
+        for worker in all_workers:
+            _signal(worker.id, STACK_DUMP_SIGNAL)
+        time.sleep(STACK_DUMP_WAIT_S)
+        for worker, _ in stuck:
+            self.teardown_pids.add(worker.id)
+            _signal(worker.id, signal.SIGKILL)
+
+    def ended_in_teardown(self, failures: dict[int, Any]) -> bool:
+        """Whether this failed group is only workers ended as stuck in their teardown."""
+        if not failures or any(f.pid not in self.teardown_pids for f in failures.values()):
+            return False
+        self.teardown_pids.clear()
+        return True
+
     def finished_after_peers(self, failures: dict[int, Any]) -> bool:
         """Whether this failed group is only the hung workers ended after another node's
         workers had all finished (``end_hung``). Torch would restart the group, and its
@@ -333,17 +406,47 @@ class Supervision:
         return True
 
 
-def _running_only(agent: Any, hung: list[tuple[Any, float, HangTimeout]]) -> bool:
-    """Whether the ``hung`` workers are all of the agent's local workers that still run
+def _running_only(agent: Any, pids: Collection[int]) -> bool:
+    """Whether the workers ``pids`` are all of the agent's local workers that still run
     (the others exited 0: a group with a failed one is not healthy)."""
     handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
     if not handlers:
         return False
-    hung_ids = {worker.id for worker, _, _ in hung}
     return all(
-        handler.proc.pid in hung_ids or handler.proc.poll() is not None
-        for handler in handlers.values()
+        handler.proc.pid in pids or handler.proc.poll() is not None for handler in handlers.values()
     )
+
+
+def _own_marks(
+    agent: Any, local_rank: int, pid: int, mark: Callable[[str, int], Path]
+) -> list[Path]:
+    """Where worker ``pid`` of ``local_rank`` writes a ``worker.bootstrap`` mark: beside
+    torch's error file, or under isolation 'user' beside its own in the job-owned
+    directory (``worker.sandbox``). None if it has no error file."""
+    error_files = getattr(getattr(agent, "_pcontext", None), "error_files", None) or {}
+    torch_path = error_files.get(local_rank)
+    if not torch_path or torch_path == os.devnull:
+        return []
+    own = Path(torch_path).parent / WORKER_ERROR_DIR / Path(torch_path).name
+    return [mark(path, pid) for path in (torch_path, str(own))]
+
+
+def _marked(agent: Any, local_rank: int, pid: int, mark: Callable[[str, int], Path]) -> bool:
+    return any(os.path.lexists(path) for path in _own_marks(agent, local_rank, pid, mark))
+
+
+def in_teardown(agent: Any, workers: Sequence[Any]) -> dict[int, str]:
+    """pid to what began it, of each worker that has begun its teardown: its program
+    returned, or destroyed its default process group (``worker.bootstrap``'s marks)."""
+    found = {}
+    for worker in workers:
+        if worker.id is None:
+            continue
+        if _marked(agent, worker.local_rank, worker.id, returned_mark):
+            found[worker.id] = "its program returned"
+        elif _marked(agent, worker.local_rank, worker.id, teardown_mark):
+            found[worker.id] = "it destroyed its process group"
+    return found
 
 
 def _peers_finished(agent: Any) -> bool:
@@ -367,18 +470,12 @@ def returned_before_signals(agent: Any, failures: dict[int, Any]) -> bool:
     (torch's gloo can, at exit), or torch ending the others once it saw that. Their work
     is done; the group is finished, not failed. A worker that exited with a status of
     its own, or had not got that far, fails the group as before."""
-    error_files = getattr(getattr(agent, "_pcontext", None), "error_files", None)
-    if not failures or not error_files:
+    if not failures:
         return False
     for failure in failures.values():
-        torch_path = error_files.get(failure.local_rank)
-        if failure.exitcode >= 0 or not torch_path or torch_path == os.devnull:
+        if failure.exitcode >= 0:
             return False
-        # The worker's own error file: torch's path, or under isolation 'user' the
-        # job-owned directory beside it (``worker.sandbox``).
-        own = Path(torch_path).parent / WORKER_ERROR_DIR / Path(torch_path).name
-        marks = (returned_mark(path, failure.pid) for path in (torch_path, str(own)))
-        if not any(os.path.lexists(mark) for mark in marks):
+        if not _marked(agent, failure.local_rank, failure.pid, returned_mark):
             return False
     for rank, failure in sorted(failures.items()):
         logger.warning(
@@ -514,6 +611,7 @@ def install_event_hooks(supervision: Supervision) -> None:
         result = original_monitor(self, worker_group)
         if result.state == WorkerState.FAILED and (
             supervision.finished_after_peers(result.failures)
+            or supervision.ended_in_teardown(result.failures)
             or returned_before_signals(self, result.failures)
         ):
             # Every worker a return value, as torch's own success has: its run() records
@@ -528,10 +626,19 @@ def install_event_hooks(supervision: Supervision) -> None:
             else:
                 self._remaining_restarts += 1  # _invoke_run takes it back: no restart spent
         elif result.state == WorkerState.HEALTHY:
-            hung = supervision.find_hung(worker_group.workers)
+            workers = worker_group.workers
+            leaving = in_teardown(self, workers)
+            stuck = supervision.find_stuck_teardowns(workers, leaving) if leaving else []
+            # Stuck teardowns end only once every other local worker has exited or is
+            # stuck too: a group with a worker still training would fail and restart.
+            if stuck and _running_only(self, {worker.id for worker, _ in stuck}):
+                supervision.end_stuck_teardowns(workers, stuck)
+                return result
+            hung = supervision.find_hung(workers, in_teardown=leaving)
             if hung:
-                peers_finished = _running_only(self, hung) and _peers_finished(self)
-                supervision.end_hung(worker_group.workers, hung, peers_finished)
+                hung_ids = {worker.id for worker, _, _ in hung}
+                peers_finished = _running_only(self, hung_ids) and _peers_finished(self)
+                supervision.end_hung(workers, hung, peers_finished)
         return result
 
     @functools.wraps(original_restart)

@@ -376,18 +376,34 @@ def _example_then(tmp: Path, name: str, then: str) -> str:
     )
 
 
+def _example_with_prelude(tmp: Path, name: str, prelude: str) -> str:
+    """A script that runs ``prelude`` (os, sys and time are imported), then the example
+    for 40 steps."""
+    return _script(
+        tmp,
+        name,
+        "import os, runpy, sys, time\n" + prelude + "\n"
+        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '40', '--step-delay', '0.05']\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n",
+    )
+
+
 def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
 ) -> None:
-    """Rank 1 trains to the end, then never exits (as a process group's destructor that
-    waits for a thread can leave it). Rank 0's node has finished and waits in torch's exit
-    barrier, so a restart could never form: the stuck worker is ended as hung, its node
-    finishes, and the job succeeds without a restart."""
+    """Rank 1 trains to the end, passes the last barrier, then never gets to its teardown
+    (its ``destroy_process_group`` sleeps). Rank 0's node has finished and waits in torch's
+    exit barrier, so a restart could never form: the stuck worker is ended as hung, its
+    node finishes, and the job succeeds without a restart."""
     start_nodes(cluster, nodes, "stuck-a", "stuck-b")
-    then = "if os.environ['RANK'] == '1':\n    time.sleep(3600)\n"
-    script = _example_then(tmp_path, "stuck_at_exit.py", then)
+    prelude = (
+        "if os.environ['RANK'] == '1':\n"
+        "    import torch.distributed\n"
+        "    torch.distributed.destroy_process_group = lambda *a, **k: time.sleep(3600)\n"
+    )
+    script = _example_with_prelude(tmp_path, "stuck_before_teardown.py", prelude)
     spec = {
-        "name": "stuck-at-exit",
+        "name": "stuck-before-teardown",
         "script": {"path": script},
         "nnodes": "2:2",
         "max_restarts": 3,
@@ -401,12 +417,46 @@ def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     assert job["last_step"] == 40
     events = client.events(job_id)
     [hang] = [e for e in events if e["kind"] == "hang_detected"]
-    assert hang["data"]["peers_finished"] is True
+    assert (hang["data"]["rule"], hang["data"]["peers_finished"]) == ("fixed", True)
     assert hang["data"]["global_rank"] == 1
     assert "without a restart" in hang["message"]
     assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
     # Both launchers ended as finished: the stuck worker's too, through torch's exit barrier.
     wait_members_finished(client, job_id)
+    wait_no_processes(cluster, job_id)
+
+
+def test_a_worker_stuck_in_its_teardown_is_ended_as_finished(
+    cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
+) -> None:
+    """Rank 1 destroys its process group and then never exits, using no CPU (as a process
+    group's destructor that waits for a thread can leave it). Its beats stopped long
+    before, but a worker in its teardown is not judged by the hang timeout (8 s here):
+    after 30 s without CPU it is ended as finished, and the job succeeds without a
+    restart."""
+    start_nodes(cluster, nodes, "teardown-a", "teardown-b")
+    then = "if os.environ['RANK'] == '1':\n    time.sleep(3600)\n"
+    script = _example_then(tmp_path, "stuck_in_teardown.py", then)
+    spec = {
+        "name": "stuck-in-teardown",
+        "script": {"path": script},
+        "nnodes": "2:2",
+        "max_restarts": 3,
+        "hang_timeout_s": 8,
+    }
+    job_id = client.submit(spec)["id"]
+
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restart_count"] == 0
+    events = client.events(job_id)
+    [hang] = [e for e in events if e["kind"] == "hang_detected"]
+    assert (hang["data"]["rule"], hang["data"]["global_rank"]) == ("teardown", 1)
+    assert "after it destroyed its process group" in hang["message"]
+    assert "ended as finished, without a restart" in hang["message"]
+    assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
+    wait_members_finished(client, job_id)
+    assert client.job(job_id)["last_step"] == 40
     wait_no_processes(cluster, job_id)
 
 

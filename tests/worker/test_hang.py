@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from worker.hang import FLOOR_S, MIN_INTERVALS, WINDOW, BeatWatch, BeatWatches, HangRule
+from worker.hang import (
+    FLOOR_S,
+    MIN_INTERVALS,
+    TEARDOWN_IDLE_S,
+    WINDOW,
+    BeatWatch,
+    BeatWatches,
+    HangRule,
+    TeardownWatch,
+)
 
 CAP_S = 600.0
 
@@ -109,3 +118,33 @@ def test_a_hang_found_by_the_adaptive_rule_doubles_the_floor_up_to_the_cap() -> 
     assert watches.raise_floor() == 100.0
     fixed = BeatWatches(HangRule(5.0))
     assert fixed.raise_floor() == FLOOR_S and fixed.watch(0, pid=1).timeout().seconds == 5.0
+
+
+def test_a_teardown_without_cpu_for_the_whole_window_is_stuck() -> None:
+    watch = TeardownWatch()
+    assert not watch.observe(100.0, 5.0)  # the window starts at the first pass
+    assert not watch.observe(100.0 + TEARDOWN_IDLE_S - 0.1, 5.0)
+    assert watch.observe(100.0 + TEARDOWN_IDLE_S, 5.0)
+
+
+def test_a_teardown_that_works_is_not_stuck_until_it_stops_working() -> None:
+    """A final save after the group was destroyed uses CPU; only its last 30 s count."""
+    watch = TeardownWatch()
+    cpu = 0.0
+    for second in range(0, 121):
+        cpu += 0.5 if second <= 60 else 0.0  # half a core for a minute, then nothing
+        stuck = watch.observe(float(second), cpu)
+        assert stuck is (second >= 60 + TEARDOWN_IDLE_S), second
+
+
+def test_a_trickle_of_cpu_under_the_share_is_still_stuck() -> None:
+    """A thread that wakes now and then (a progress bar's monitor) does not hide a hang."""
+    watch = TeardownWatch(idle_s=30.0, cpu_share=0.01)
+    cpu = 0.0
+    for second in range(0, 31):
+        cpu += 0.002  # 0.2 % of a core
+        stuck = watch.observe(float(second), cpu)
+    assert stuck
+    assert "less than 1% of a core for 30 s after it destroyed" in watch.derivation(
+        "it destroyed its process group"
+    )

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -517,3 +518,115 @@ def test_a_signal_after_the_mark_is_a_finish_whichever_directory_holds_it(
     assert not returned_before_signals(agent, {1: _Failure(1, 701, 3)})  # a status of its own
     assert not returned_before_signals(agent, {1: _Failure(1, 702, -6)})  # another process
     assert not returned_before_signals(SimpleNamespace(), failures)  # no process context
+
+
+_TEARDOWN_SCRIPT = """\
+import os, sys
+import torch.distributed as dist
+from torch.distributed import destroy_process_group  # bound after the bootstrap wrapped it
+
+mark = os.path.join(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"]),
+                    f"teardown_started.{os.getpid()}")
+store = "file://" + os.path.join(os.getcwd(), "store")
+dist.init_process_group("gloo", init_method=store + "1", rank=0, world_size=1)
+seen = [os.path.exists(mark)]
+group = dist.new_group([0])
+dist.destroy_process_group(group)  # a group of its own: still training
+seen.append(os.path.exists(mark))
+destroy_process_group()
+seen.append(os.path.exists(mark))
+dist.init_process_group("gloo", init_method=store + "2", rank=0, world_size=1)
+seen.append(os.path.exists(mark))  # training again
+dist.destroy_process_group()
+seen.append(os.path.exists(mark))
+print("seen", seen)
+"""
+
+
+def test_the_bootstrap_marks_the_teardown_when_the_default_group_is_destroyed(
+    tmp_path: Path,
+) -> None:
+    """Through either name of the function; not for a group of its own; and the mark is
+    taken back when the program initialises a default group again."""
+    script = tmp_path / "train.py"
+    script.write_text(_TEARDOWN_SCRIPT)
+    done = _bootstrap(tmp_path, str(script))
+    assert done.returncode == 0, done.stderr
+    assert "seen [False, False, True, False, True]" in done.stdout, done.stdout
+
+
+def _sleeper(code: str = "time.sleep(60)") -> subprocess.Popen[str]:
+    """A worker stand-in that dumps its stacks on SIGUSR1, as the bootstrap's workers do."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import faulthandler, signal, time\n"
+         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+         f"print('ready', flush=True)\n{code}\n"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_a_teardown_that_uses_no_cpu_is_ended_as_finished_and_one_at_work_is_not(
+    tmp_path: Path,
+) -> None:
+    """The hang rule does not judge a worker in its teardown; its CPU does. A worker
+    stuck there is dumped and killed, and its failure is the group's finish."""
+    from types import SimpleNamespace
+
+    from worker.hang import TEARDOWN_IDLE_S
+    from worker.launch import in_teardown
+
+    ranks = [tmp_path / "attempt_0" / str(r) for r in (0, 1, 2)]
+    for rank in ranks:
+        (rank / "worker").mkdir(parents=True)
+    agent = SimpleNamespace(
+        _pcontext=SimpleNamespace(error_files={r: str(ranks[r] / "error.json") for r in (0, 1, 2)})
+    )
+    stuck_proc = _sleeper()
+    busy_proc = _sleeper("while True: pass")  # a final save, at work
+    try:
+        stuck = Worker(local_rank=0, global_rank=4, id=stuck_proc.pid)
+        busy = Worker(local_rank=1, global_rank=5, id=busy_proc.pid)
+        training = Worker(local_rank=2, global_rank=6, id=os.getpid())  # never signalled
+        (ranks[0] / "worker" / f"teardown_started.{stuck.id}").touch()  # isolation 'user'
+        (ranks[1] / f"program_returned.{busy.id}").touch()
+        leaving = in_teardown(agent, [stuck, busy, training])
+        assert leaving == {
+            stuck.id: "it destroyed its process group",
+            busy.id: "its program returned",
+        }
+        clock = [1000.0]
+        supervision, path = _supervision(
+            tmp_path, hang_rule=HangRule(5), progress_dir=tmp_path, clock=lambda: clock[0]
+        )
+        for worker in (stuck, busy, training):  # every one stopped beating long ago
+            progress_file(tmp_path, worker.local_rank).touch()
+            os.utime(progress_file(tmp_path, worker.local_rank), (900.0, 900.0))
+        workers = [stuck, busy, training]
+        assert [w for w, _, _ in supervision.find_hung(workers, leaving)] == [training]
+        assert supervision.find_stuck_teardowns(workers, leaving) == []  # the window opens
+        time.sleep(1.0)  # the busy one uses a second of CPU
+        clock[0] += TEARDOWN_IDLE_S
+        found = supervision.find_stuck_teardowns(workers, leaving)
+        assert [w for w, _ in found] == [stuck]
+
+        supervision.end_stuck_teardowns([stuck, busy], found)
+        _, stderr = stuck_proc.communicate(timeout=10)
+        assert stuck_proc.returncode == -9
+        assert "most recent call first" in stderr  # faulthandler's dump
+        assert busy_proc.poll() is None
+        assert supervision.find_stuck_teardowns(workers, leaving) == []  # ended once
+        ended = Failure(0, stuck.id, -9, "<N/A>", error_file="<N/A>")
+        crashed = Failure(1, busy.id, 1, "<N/A>", error_file="<N/A>")
+        assert supervision.ended_in_teardown({4: ended, 5: crashed}) is False
+        assert supervision.ended_in_teardown({4: ended}) is True
+        assert supervision.ended_in_teardown({4: ended}) is False  # spent
+        supervision.events.close()
+        (hang,) = [e["data"] for e in _emitted(path) if e["kind"] == EventKind.HANG]
+        assert (hang["global_rank"], hang["rule"], hang["peers_finished"]) == (4, "teardown", False)
+        assert "after it destroyed its process group" in hang["derivation"]
+    finally:
+        for proc in (stuck_proc, busy_proc):
+            proc.kill()
+            proc.communicate(timeout=10)
