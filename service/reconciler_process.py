@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -188,6 +189,19 @@ def _listen(inbox: Connection, signals: PassSignals) -> None:
     except (EOFError, OSError):
         pass
     signals.request_stop()
+
+
+def _read_passes(inbox: Connection, heard: queue.Queue[Passed | None]) -> None:
+    """Put each ``Passed`` the child sends on ``heard``, then None once it closes its end
+    or sends what cannot be read."""
+    try:
+        while True:
+            heard.put(inbox.recv())
+    except (EOFError, OSError):
+        pass
+    except Exception:
+        logger.exception("unreadable message from the reconciler process")
+    heard.put(None)
 
 
 class ReconcilerProcess:
@@ -360,11 +374,19 @@ class ReconcilerProcess:
         """Read the child's passes until it closes its end (exits), or kill it once it has
         been silent for ``silence_allowed``: stuck (in a statement that never returns, or
         stopped), it would hold the lease it renews no longer, and ``/metrics`` would
-        keep saying it leads."""
+        keep saying it leads. The reading is a thread's (``_read_passes``): a child
+        stopped part-way through writing a message would hold a read here for ever."""
         silent_s = silence_allowed(self._settings)
+        heard: queue.Queue[Passed | None] = queue.Queue()
+        reader = threading.Thread(
+            target=_read_passes, args=(inbox, heard), name="reconciler-inbox", daemon=True
+        )
+        reader.start()
         try:
             while True:
-                if not inbox.poll(silent_s):
+                try:
+                    passed = heard.get(timeout=silent_s)
+                except queue.Empty:
                     logger.error(
                         "the reconciler process %s ended no pass in %g s (stuck or stopped); "
                         "killing it",
@@ -373,16 +395,17 @@ class ReconcilerProcess:
                     )
                     child.kill()
                     return
-                passed: Passed = inbox.recv()
+                if passed is None:  # it closed its end, or sent what cannot be read
+                    return
                 self._relayed.update(passed.metrics)
                 with self._lock:
                     answered = [self._waiting.get(t) for t in passed.tickets]
                 for done in answered:
                     if done is not None:
                         done.set()
-        except (EOFError, OSError):
-            pass
-        except Exception:
-            logger.exception("unreadable message from the reconciler process")
         finally:
-            inbox.close()
+            # Its end closes when it exits: a killed child's at once. One that lives on
+            # (it sent what cannot be read) is reaped next, killed if it does not stop.
+            reader.join(STOP_WAIT_S)
+            if not reader.is_alive():
+                inbox.close()

@@ -261,3 +261,39 @@ def test_a_serving_controller_scans_its_youngest_objects_at_its_own_threshold(
     with Cluster(create_app(live_settings.model_copy(update={"gc_young_threshold": 5_000}))):
         assert gc.get_threshold()[0] == 5_000
     assert gc.get_threshold() == before
+
+
+def test_a_child_stopped_part_way_through_a_message_is_killed_once_silent(
+    live_settings: ControllerSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child stopped while it writes a message has sent its length and part of it: a read
+    of the rest would wait for ever. The controller hears in a thread of its own, so the
+    silence still ends it."""
+    from multiprocessing.connection import Connection
+
+    from service.metrics import Relayed
+
+    monkeypatch.setattr(reconciler_process, "silence_allowed", lambda _settings: 1.0)
+    read_end, write_end = os.pipe()
+    half_sent = (
+        "import os, sys, time\n"
+        "os.write(int(sys.argv[1]), (1000).to_bytes(4, 'big') + b'x' * 10)\n"
+        "time.sleep(120)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", half_sent, str(write_end)], pass_fds=(write_end,)
+    )
+    os.close(write_end)
+    hearing = threading.Thread(
+        target=ReconcilerProcess(live_settings, Relayed())._hear,
+        args=(Connection(read_end, writable=False), child),
+        daemon=True,
+    )
+    try:
+        hearing.start()
+        hearing.join(60)
+        assert not hearing.is_alive(), "still reading the half-sent message"
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
