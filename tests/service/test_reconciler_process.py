@@ -264,7 +264,7 @@ def test_a_serving_controller_scans_its_youngest_objects_at_its_own_threshold(
 
 
 def test_a_child_stopped_part_way_through_a_message_is_killed_once_silent(
-    live_settings: ControllerSettings, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A child stopped while it writes a message has sent its length and part of it: a read
     of the rest would wait for ever. The controller hears in a thread of its own, so the
@@ -274,6 +274,8 @@ def test_a_child_stopped_part_way_through_a_message_is_killed_once_silent(
     from service.metrics import Relayed
 
     monkeypatch.setattr(reconciler_process, "silence_allowed", lambda _settings: 1.0)
+    # No database: the controller's side of the pipe is all this test runs.
+    settings = ControllerSettings(data_dir=tmp_path, database_url=f"sqlite:///{tmp_path}/db")
     read_end, write_end = os.pipe()
     half_sent = (
         "import os, sys, time\n"
@@ -285,7 +287,7 @@ def test_a_child_stopped_part_way_through_a_message_is_killed_once_silent(
     )
     os.close(write_end)
     hearing = threading.Thread(
-        target=ReconcilerProcess(live_settings, Relayed())._hear,
+        target=ReconcilerProcess(settings, Relayed())._hear,
         args=(Connection(read_end, writable=False), child),
         daemon=True,
     )
