@@ -31,7 +31,8 @@ nothing. ``TeardownWatch`` judges it instead: one that has used less than
 ``TEARDOWN_CPU_SHARE`` of a core over the last ``TEARDOWN_IDLE_S`` is stuck in its
 teardown (a process group's destructor waiting for a thread or a peer, which torch's
 gloo can do at exit). Work after the teardown began (a final save, an upload in an
-``atexit`` handler) uses CPU and is left alone; a teardown that spins is not found.
+``atexit`` handler) uses CPU and is left alone, and so is a worker that beats; a
+teardown that spins is not found.
 
 The launcher sees beats only at its monitor passes (every 0.2 s), so several beats
 between two passes count as one interval: with very short steps the median is the
@@ -165,8 +166,16 @@ class TeardownWatch:
     idle_s: float = TEARDOWN_IDLE_S
     cpu_share: float = TEARDOWN_CPU_SHARE
     samples: deque[tuple[float, float]] = field(default_factory=deque)
+    last_beat: float | None = None
 
-    def observe(self, now: float, cpu_s: float) -> bool:
+    def observe(self, now: float, cpu_s: float, beat_at: float | None = None) -> bool:
+        """``beat_at``: the worker's last progress beat, if any. A beat newer than the last
+        one seen starts the window again: a script that waits on purpose after its teardown
+        began (to initialise a new group, say) beats to say so."""
+        if beat_at is not None and (self.last_beat is None or beat_at > self.last_beat):
+            if self.last_beat is not None:
+                self.samples.clear()
+            self.last_beat = beat_at
         self.samples.append((now, cpu_s))
         # Keep one sample at least ``idle_s`` old, the newest such: the window's start.
         while len(self.samples) > 1 and now - self.samples[1][0] >= self.idle_s:

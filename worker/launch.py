@@ -346,9 +346,17 @@ class Supervision:
             except psutil.Error:
                 continue
             watch = self.teardowns.setdefault(worker.id, TeardownWatch())
-            if watch.observe(now, times.user + times.system):
+            if watch.observe(now, times.user + times.system, self._beat_at(worker)):
                 stuck.append((worker, watch.derivation(what)))
         return stuck
+
+    def _beat_at(self, worker: Any) -> float | None:
+        if self.progress_dir is None:
+            return None
+        try:
+            return progress_file(self.progress_dir, worker.local_rank).stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def end_stuck_teardowns(self, all_workers: Sequence[Any], stuck: list[tuple[Any, str]]) -> None:
         """Dump every local worker's stacks into the logs, then SIGKILL the workers stuck

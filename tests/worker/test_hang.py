@@ -148,3 +148,13 @@ def test_a_trickle_of_cpu_under_the_share_is_still_stuck() -> None:
     assert "less than 1% of a core for 30 s after it destroyed" in watch.derivation(
         "it destroyed its process group"
     )
+
+
+def test_a_beat_in_the_teardown_starts_the_window_again() -> None:
+    """A script waiting on purpose after it destroyed its group (to form a new one) beats."""
+    watch = TeardownWatch(idle_s=30.0)
+    assert not watch.observe(0.0, 1.0, beat_at=-5.0)  # the beat from before the teardown
+    assert not watch.observe(20.0, 1.0, beat_at=-5.0)
+    assert not watch.observe(25.0, 1.0, beat_at=24.0)  # beats while it waits
+    assert not watch.observe(54.0, 1.0, beat_at=24.0)
+    assert watch.observe(55.0, 1.0, beat_at=24.0)  # 30 s since the window began again
