@@ -145,7 +145,25 @@ def main(argv: list[str]) -> None:
     except EOFError:  # the controller stopped as this child started
         return
     logging.basicConfig(level=start.log_level, format=LOG_FORMAT)
+    lower_nice(start.settings.reconciler_nice)  # before any thread: each takes its own
     serve(start.settings, inbox, outbox)
+
+
+def lower_nice(by: int) -> None:
+    """Add ``by`` (0 or less) to this thread's nice value, as threads started after it
+    inherit it; without the right to (CAP_SYS_NICE), keep it and say so."""
+    if by == 0:
+        return
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, max(-20, before + by))
+    except OSError as exc:
+        logger.warning(
+            "the reconciler process keeps nice %d: lowering it by %d needs CAP_SYS_NICE (%s)",
+            before,
+            -by,
+            exc.strerror,
+        )
 
 
 def serve(settings: ControllerSettings, inbox: Connection, outbox: Connection) -> None:

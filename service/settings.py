@@ -164,6 +164,15 @@ class ControllerSettings(BaseSettings):
         "that they do not take the interpreter lock from the API's threads; false: on a "
         "thread of the API's process (also the case for an in-memory SQLite database)",
     )
+    reconciler_nice: int = Field(
+        default=-5,
+        ge=-20,
+        le=0,
+        description="Added to the controller's nice value for its reconciler's process: "
+        "below 0, a pass gets a core before the API's requests when the host is short of "
+        "them. Lowering a nice value needs root (or CAP_SYS_NICE); without it the process "
+        "keeps the controller's, and says so once in the log",
+    )
     gc_freeze: bool = Field(
         default=True,
         description="Once the controller has started, move every object it holds then "

@@ -29,6 +29,7 @@ from service.models import Role
 from service.reconciler import utcnow
 from service.reconciler_process import PROCESS_NAME, ReconcilerProcess
 from service.settings import ControllerSettings
+from tests.helpers import subprocess_environ
 from tests.service.helpers import Cluster, bearer, heartbeat, register, submit
 
 SCRAPE_TOKEN = "scrape-" + "s" * 32
@@ -44,6 +45,12 @@ def until(what: Callable[[], T | None], timeout_s: float = 30.0) -> T:
             return value
         assert time.monotonic() < deadline, f"not within {timeout_s} s"
         time.sleep(0.1)
+
+
+# The tests of the two processes' mechanics (signals, pipes, respawns, the collector) run on
+# SQLite only; those whose subject is also the database (the child's own pool placing jobs,
+# the lease handed back) run on both.
+PROCESSES_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 
 @pytest.fixture
@@ -98,6 +105,12 @@ def test_the_reconciler_runs_in_a_child_process_that_places_jobs_and_sends_its_m
     process = child(live)
     assert process.ppid() == os.getpid()
     until(lambda: process.name() == PROCESS_NAME)  # named once it has started
+    # Nicer by RELAUNCH_RECONCILER_NICE (-5) than the controller, which these tests run as
+    # root, once it has its settings; its threads too.
+    assert os.geteuid() == 0
+    nice = os.getpriority(os.PRIO_PROCESS, 0) - 5
+    until(lambda: {t.id for t in process.threads()} and process.nice() == nice)
+    assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in process.threads()} == {nice}
     node = register(live, "a")
     job_id = submit(live, nnodes="1:1")
     assert until(lambda: placed_on(live, node)) == [job_id]
@@ -110,6 +123,7 @@ def test_the_reconciler_runs_in_a_child_process_that_places_jobs_and_sends_its_m
     assert text.count("# TYPE relaunch_reconcile_pass_seconds histogram") == 1
 
 
+@PROCESSES_ONLY
 def test_what_the_controller_made_at_start_is_left_out_of_garbage_collections(
     live_settings: ControllerSettings,
 ) -> None:
@@ -122,6 +136,7 @@ def test_what_the_controller_made_at_start_is_left_out_of_garbage_collections(
         assert gc.get_freeze_count() == 0
 
 
+@PROCESSES_ONLY
 def test_a_reconciler_process_that_ends_no_pass_is_killed_and_started_again(
     live_settings: ControllerSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,6 +156,7 @@ def test_a_reconciler_process_that_ends_no_pass_is_killed_and_started_again(
         assert until(lambda: placed_on(live, node)) == [job_id]
 
 
+@PROCESSES_ONLY
 def test_a_registration_waits_for_the_child_s_pass(live: Cluster) -> None:
     """A registration's answer waits for a pass begun after it (across the processes):
     the node's first heartbeat already brings a job that waited for a node."""
@@ -150,6 +166,7 @@ def test_a_registration_waits_for_the_child_s_pass(live: Cluster) -> None:
     assert placed_on(live, node) == [job_id]
 
 
+@PROCESSES_ONLY
 def test_a_reconciler_process_that_dies_is_started_again(live: Cluster) -> None:
     first = child(live)
     first.send_signal(signal.SIGKILL)
@@ -161,6 +178,7 @@ def test_a_reconciler_process_that_dies_is_started_again(live: Cluster) -> None:
     assert until(lambda: placed_on(live, node)) == [job_id]
 
 
+@PROCESSES_ONLY
 def test_wakes_never_wait_on_a_reconciler_process_that_died(live: Cluster) -> None:
     """A child killed as it rests between passes (where it spends most of its life) leaves
     nothing a wake could block on: every wake, waiting or not, returns, and a registration
@@ -202,6 +220,7 @@ def test_a_stopped_controller_s_child_hands_the_lease_back_and_exits(
         engine.dispose()
 
 
+@PROCESSES_ONLY
 def test_a_killed_controller_takes_its_reconciler_process_with_it(
     live_settings: ControllerSettings, tmp_path: Path
 ) -> None:
@@ -250,6 +269,7 @@ def test_a_killed_controller_takes_its_reconciler_process_with_it(
     assert gone, "the reconciler process outlived its controller"
 
 
+@PROCESSES_ONLY
 def test_a_serving_controller_scans_its_youngest_objects_at_its_own_threshold(
     live_settings: ControllerSettings,
 ) -> None:
@@ -299,3 +319,30 @@ def test_a_child_stopped_part_way_through_a_message_is_killed_once_silent(
     finally:
         child.kill()
         child.wait()
+
+
+def test_without_the_right_to_lower_its_nice_the_reconciler_keeps_it_and_says_so() -> None:
+    """Lowering a nice value needs CAP_SYS_NICE: a controller run as another user keeps
+    its own for the reconciler's process (the job users' ``nobody`` here)."""
+    code = (
+        "import logging, os\n"
+        "from service.reconciler_process import lower_nice\n"
+        "logging.basicConfig()\n"
+        "before = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "lower_nice(-5)\n"
+        "print(before, os.getpriority(os.PRIO_PROCESS, 0))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_environ(),
+        cwd="/",
+        user="nobody",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()
+    assert before == after, done.stdout
+    assert f"keeps nice {before}: lowering it by 5 needs CAP_SYS_NICE" in done.stderr
