@@ -241,6 +241,8 @@ class Supervision:
                 )
             )
         self.hung_pids.clear()
+        self.teardown_pids.clear()
+        self.teardowns.clear()
         self.forget_membership_change()
         return fatal
 

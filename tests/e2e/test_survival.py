@@ -388,6 +388,30 @@ def _example_with_prelude(tmp: Path, name: str, prelude: str) -> str:
     )
 
 
+def _succeeds_after_one_stuck_worker(
+    client: RelaunchClient, name: str, script: str
+) -> tuple[int, dict[str, Any]]:
+    """Run ``script`` on two nodes with an 8 s hang timeout, whose rank 1 never exits: the
+    job succeeds without a restart or a failed worker, and one hang of rank 1 is on its
+    timeline. Returns the job's id and that event."""
+    spec = {
+        "name": name,
+        "script": {"path": script},
+        "nnodes": "2:2",
+        "max_restarts": 3,
+        "hang_timeout_s": 8,
+    }
+    job_id = client.submit(spec)["id"]
+    job = wait_terminal(client, job_id)
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restart_count"] == 0
+    events = client.events(job_id)
+    [hang] = [e for e in events if e["kind"] == "hang_detected"]
+    assert hang["data"]["global_rank"] == 1
+    assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
+    return job_id, hang
+
+
 def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
 ) -> None:
@@ -402,27 +426,12 @@ def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
         "    torch.distributed.destroy_process_group = lambda *a, **k: time.sleep(3600)\n"
     )
     script = _example_with_prelude(tmp_path, "stuck_before_teardown.py", prelude)
-    spec = {
-        "name": "stuck-before-teardown",
-        "script": {"path": script},
-        "nnodes": "2:2",
-        "max_restarts": 3,
-        "hang_timeout_s": 8,
-    }
-    job_id = client.submit(spec)["id"]
-
-    job = wait_terminal(client, job_id)
-    assert job["state"] == "SUCCEEDED", job
-    assert job["restart_count"] == 0
-    assert job["last_step"] == 40
-    events = client.events(job_id)
-    [hang] = [e for e in events if e["kind"] == "hang_detected"]
+    job_id, hang = _succeeds_after_one_stuck_worker(client, "stuck-before-teardown", script)
     assert (hang["data"]["rule"], hang["data"]["peers_finished"]) == ("fixed", True)
-    assert hang["data"]["global_rank"] == 1
     assert "without a restart" in hang["message"]
-    assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
     # Both launchers ended as finished: the stuck worker's too, through torch's exit barrier.
     wait_members_finished(client, job_id)
+    assert client.job(job_id)["last_step"] == 40
     wait_no_processes(cluster, job_id)
 
 
@@ -437,24 +446,10 @@ def test_a_worker_stuck_in_its_teardown_is_ended_as_finished(
     start_nodes(cluster, nodes, "teardown-a", "teardown-b")
     then = "if os.environ['RANK'] == '1':\n    time.sleep(3600)\n"
     script = _example_then(tmp_path, "stuck_in_teardown.py", then)
-    spec = {
-        "name": "stuck-in-teardown",
-        "script": {"path": script},
-        "nnodes": "2:2",
-        "max_restarts": 3,
-        "hang_timeout_s": 8,
-    }
-    job_id = client.submit(spec)["id"]
-
-    job = wait_terminal(client, job_id)
-    assert job["state"] == "SUCCEEDED", job
-    assert job["restart_count"] == 0
-    events = client.events(job_id)
-    [hang] = [e for e in events if e["kind"] == "hang_detected"]
-    assert (hang["data"]["rule"], hang["data"]["global_rank"]) == ("teardown", 1)
+    job_id, hang = _succeeds_after_one_stuck_worker(client, "stuck-in-teardown", script)
+    assert hang["data"]["rule"] == "teardown"
     assert "after it destroyed its process group" in hang["message"]
     assert "ended as finished, without a restart" in hang["message"]
-    assert not [e for e in events if e["kind"] in ("worker_failed", "restarting")]
     wait_members_finished(client, job_id)
     assert client.job(job_id)["last_step"] == 40
     wait_no_processes(cluster, job_id)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from contract.events import EventKind
@@ -606,7 +607,12 @@ def test_a_teardown_that_uses_no_cpu_is_ended_as_finished_and_one_at_work_is_not
         workers = [stuck, busy, training]
         assert [w for w, _, _ in supervision.find_hung(workers, leaving)] == [training]
         assert supervision.find_stuck_teardowns(workers, leaving) == []  # the window opens
-        time.sleep(1.0)  # the busy one uses a second of CPU
+        # The busy one uses more than 1 % of the 30 s window, however loaded the machine.
+        used = psutil.Process(busy.id).cpu_times()
+        deadline = time.monotonic() + 60
+        while sum(psutil.Process(busy.id).cpu_times()[:2]) < sum(used[:2]) + 0.5:
+            assert time.monotonic() < deadline, "the busy process got no CPU in 60 s"
+            time.sleep(0.1)
         clock[0] += TEARDOWN_IDLE_S
         found = supervision.find_stuck_teardowns(workers, leaving)
         assert [w for w, _ in found] == [stuck]
@@ -622,6 +628,9 @@ def test_a_teardown_that_uses_no_cpu_is_ended_as_finished_and_one_at_work_is_not
         assert supervision.ended_in_teardown({4: ended, 5: crashed}) is False
         assert supervision.ended_in_teardown({4: ended}) is True
         assert supervision.ended_in_teardown({4: ended}) is False  # spent
+        supervision.teardown_pids.add(stuck.id)  # ended again, but the group failed otherwise:
+        assert supervision.on_failed({4: ended, 5: crashed}) is False
+        assert (supervision.teardown_pids, supervision.teardowns) == (set(), {})  # forgotten
         supervision.events.close()
         (hang,) = [e["data"] for e in _emitted(path) if e["kind"] == EventKind.HANG]
         assert (hang["global_rank"], hang["rule"], hang["peers_finished"]) == (4, "teardown", False)
