@@ -321,7 +321,10 @@ class Supervision:
                 "%.0f s (a pause the script makes on purpose is allowed longer each time)",
                 _CTX, floor,
             )  # fmt: skip
-        for worker in all_workers:
+        # With ``peers_finished`` the node's other workers have exited (``_running_only``):
+        # their pids are not signalled, as they may be another process's now.
+        dumped = [worker for worker, _, _ in hung] if peers_finished else all_workers
+        for worker in dumped:
             _signal(worker.id, STACK_DUMP_SIGNAL)
         time.sleep(STACK_DUMP_WAIT_S)
         for worker, _, _ in hung:
@@ -360,10 +363,11 @@ class Supervision:
         except FileNotFoundError:
             return None
 
-    def end_stuck_teardowns(self, all_workers: Sequence[Any], stuck: list[tuple[Any, str]]) -> None:
-        """Dump every local worker's stacks into the logs, then SIGKILL the workers stuck
-        in their teardown. Their work is done: the next monitor pass takes the group as
-        finished (``ended_in_teardown``), with no restart."""
+    def end_stuck_teardowns(self, stuck: list[tuple[Any, str]]) -> None:
+        """Dump the stacks of the workers stuck in their teardown into the logs, then
+        SIGKILL them. Their work is done: the next monitor pass takes the group as finished
+        (``ended_in_teardown``), with no restart. The node's other workers have exited
+        (``_running_only``): their pids are not signalled, as they may be another's now."""
         for worker, derivation in stuck:
             logger.error(
                 "%s worker rank %s (local rank %s, pid %s) is stuck in its teardown (it %s); "
@@ -380,7 +384,7 @@ class Supervision:
                     derivation=derivation[:300],
                 )
             )
-        for worker in all_workers:
+        for worker, _ in stuck:
             _signal(worker.id, STACK_DUMP_SIGNAL)
         time.sleep(STACK_DUMP_WAIT_S)
         for worker, _ in stuck:
@@ -642,7 +646,7 @@ def install_event_hooks(supervision: Supervision) -> None:
             # Stuck teardowns end only once every other local worker has exited or is
             # stuck too: a group with a worker still training would fail and restart.
             if stuck and _running_only(self, {worker.id for worker, _ in stuck}):
-                supervision.end_stuck_teardowns(workers, stuck)
+                supervision.end_stuck_teardowns(stuck)
                 return result
             hung = supervision.find_hung(workers, in_teardown=leaving)
             if hung:
