@@ -379,28 +379,24 @@ def _hang_timeout_text(data: HangDetected) -> str:
 
 @_apply_event.register
 def _hang(data: HangDetected, at: _Applied) -> None:
+    worker = f"worker rank {data.global_rank} (local rank {data.local_rank} on node {at.node.name})"
     if data.rule == "teardown":
-        at.add_event(
-            "hang_detected",
-            f"worker rank {data.global_rank} (local rank {data.local_rank} on node "
-            f"{at.node.name}) was stuck in its teardown: it {data.derivation}; its stack "
-            "dump is in the logs, and it is ended as finished, without a restart",
-            data,
+        what = (
+            f"was stuck in its teardown: it {data.derivation}; its stack dump is in the logs, "
+            "and it is ended as finished, without a restart"
         )
-        return
-    at.add_event(
-        "hang_detected",
-        f"worker rank {data.global_rank} (local rank {data.local_rank} on "
-        f"node {at.node.name}) made no progress for {data.idle_s} s (hang timeout "
-        f"{_hang_timeout_text(data)}); its stack dump is in the logs, "
-        + (
-            "and another node's workers had all finished: it is ended, without a restart, "
-            "and its node finishes"
-            if data.peers_finished
-            else "the workers restart"
-        ),
-        data,
-    )
+    else:
+        what = (
+            f"made no progress for {data.idle_s} s (hang timeout {_hang_timeout_text(data)}); "
+            "its stack dump is in the logs, "
+            + (
+                "and another node's workers had all finished: it is ended, without a "
+                "restart, and its node finishes"
+                if data.peers_finished
+                else "the workers restart"
+            )
+        )
+    at.add_event("hang_detected", f"{worker} {what}", data)
 
 
 @_apply_event.register

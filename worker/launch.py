@@ -269,9 +269,8 @@ class Supervision:
         for worker in workers:
             if worker.id in in_teardown:
                 continue
-            try:
-                beat_at = progress_file(self.progress_dir, worker.local_rank).stat().st_mtime
-            except FileNotFoundError:
+            beat_at = self._beat_at(worker)
+            if beat_at is None:
                 continue  # no beat yet: still starting, or a program that never beats
             watch = self.beats.watch(worker.local_rank, worker.id)
             watch.observe(beat_at)
@@ -356,6 +355,7 @@ class Supervision:
         return stuck
 
     def _beat_at(self, worker: Any) -> float | None:
+        """When ``worker`` last beat (its beat file's time); None if it never did."""
         if self.progress_dir is None:
             return None
         try:
@@ -642,7 +642,7 @@ def install_event_hooks(supervision: Supervision) -> None:
         elif result.state == WorkerState.HEALTHY:
             workers = worker_group.workers
             leaving = in_teardown(self, workers)
-            stuck = supervision.find_stuck_teardowns(workers, leaving) if leaving else []
+            stuck = supervision.find_stuck_teardowns(workers, leaving)
             # Stuck teardowns end only once every other local worker has exited or is
             # stuck too: a group with a worker still training would fail and restart.
             if stuck and _running_only(self, {worker.id for worker, _ in stuck}):
