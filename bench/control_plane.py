@@ -900,6 +900,15 @@ def _result(
             phases_p99[phase] = 1000 * histogram_quantile(
                 0.99, buckets(before, after, name, phase=phase)
             )
+    split, split_p99 = {}, {}
+    for state in ("running", "runnable", "blocked"):
+        name = "relaunch_reconcile_pass_split_seconds"
+        n = _delta(before, after, f"{name}_count", state=state)
+        if n:  # none where the kernel does not say
+            split[state] = 1000 * _delta(before, after, f"{name}_sum", state=state) / n
+            split_p99[state] = 1000 * histogram_quantile(
+                0.99, buckets(before, after, name, state=state)
+            )
     actions = {
         dict(labels)["action"]: _delta(before, after, name, **dict(labels))
         for (name, labels) in after
@@ -929,6 +938,9 @@ def _result(
             "within_target": share_within(passes, RECONCILE_P99_TARGET_MS / 1000),
             "phase_mean_ms": phases,
             "phase_p99_ms": phases_p99,
+            # What the pass's thread did: on a CPU, waiting for one, asleep.
+            "split_mean_ms": split,
+            "split_p99_ms": split_p99,
             "actions": actions,
             # Passes that read the queue whole (a shape change, a new term, ...) or its head.
             "queue_reads": {
@@ -1016,7 +1028,16 @@ def print_table(result: dict[str, Any]) -> None:
         f"{rec['passes']:.0f} passes in {rec['measured_over_s']:.0f} s, "
         f"mean {rec['mean_ms']:.0f} ms ({phases}); p99 by phase: {phases_p99}; "
         f"{100 * rec['within_target']:.0f} % within {RECONCILE_P99_TARGET_MS:.0f} ms; "
-        f"{rec['queue_reads']['whole']:.0f} read the queue whole",
+        f"{rec['queue_reads']['whole']:.0f} read the queue whole"
+        + (
+            "; its thread, mean (p99): "
+            + ", ".join(
+                f"{state} {ms:.0f} ({rec['split_p99_ms'][state]:.0f})"
+                for state, ms in rec["split_mean_ms"].items()
+            )
+            if rec.get("split_mean_ms")
+            else ""
+        ),
     )
     table.add_row(
         "heartbeat answer (nodes' side)",

@@ -91,6 +91,16 @@ class ReconcilerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.reconcile_split = Histogram(
+            "relaunch_reconcile_pass_split_seconds",
+            "Where a pass's time went, as Linux's scheduler counts it for the thread that "
+            "runs it: running (on a CPU), runnable (ready, waiting for a CPU the host's other "
+            "processes held), blocked (asleep: waiting on the database, a lock or Python's "
+            "interpreter lock); none where the kernel does not say",
+            ["state"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.reconcile_actions = Counter(
             "relaunch_reconcile_actions",
             "Actions the reconciler decided, by kind (PlaceJob, MarkNodeLost, ...)",

@@ -72,6 +72,7 @@ from service.placing import PlaceJob, lock_room, place_jobs
 from service.settings import ControllerSettings
 from service.spec import JobSpec
 from service.states import AttemptState, JobState, NodeState
+from service.thread_time import SpanClock, Split
 
 logger = logging.getLogger(__name__)
 
@@ -687,7 +688,9 @@ class _PhaseTimer:
     def __init__(self, metrics: ReconcilerMetrics | None) -> None:
         self._metrics = metrics
         self._since = time.perf_counter()
+        self._clock = SpanClock()
         self.seconds: dict[str, float] = {}
+        self.split: Split | None = None
 
     def done(self, phase: str) -> None:
         now = time.perf_counter()
@@ -696,21 +699,29 @@ class _PhaseTimer:
             self._metrics.reconcile_phase.labels(phase).observe(self.seconds[phase])
         self._since = now
 
+    def ended(self) -> None:
+        """The pass has ended: split its time (``relaunch_reconcile_pass_split_seconds``)."""
+        self.split = self._clock.split()
+        if self._metrics is not None and self.split is not None:
+            for state, seconds in vars(self.split).items():
+                self._metrics.reconcile_split.labels(state).observe(seconds)
+
     def describe_slow(
         self, limit_s: float, nodes: int, jobs: int, actions: list[Action], whole: bool
     ) -> None:
         """Log the pass if it took longer than ``limit_s`` (its interval): where the time
-        went, and what it did, by kind of action."""
+        went, by phase and by what its thread did, and what it did, by kind of action."""
         total = sum(self.seconds.values())
         if total <= limit_s:
             return
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.seconds.items())
         kinds = Counter(type(a).__name__ for a in actions)
         logger.info(
-            "slow reconciler pass: %.2f s (%s) over %d nodes and %d open jobs read (%s); "
+            "slow reconciler pass: %.2f s (%s%s) over %d nodes and %d open jobs read (%s); "
             "actions: %s",
             total,
             phases,
+            "" if self.split is None else "; " + self.split.describe(),
             nodes,
             jobs,
             "the whole queue" if whole else "the queue's head",
@@ -829,6 +840,7 @@ class Reconciler:
         phase.done("plan")
         self._apply_all(leadership, actions, now)
         phase.done("apply")
+        phase.ended()
         if whole is not None and self._leadership is not None:
             self._whole_read = whole  # the reasons it decided are written
         if self._metrics is not None:
