@@ -302,6 +302,56 @@ class Fleet:
         )
         self.alive_ids = {n.id for n in self.alive}
         self.reasons = Reasons(self.alive)
+        # The last ``running`` worked out: for which jobs (by identity; the jobs kept, so
+        # that no other object takes one's id) and sharing, and what it was.
+        self._running: tuple[tuple[int | bool, ...], list[JobView], Running] | None = None
+
+    def running(self, jobs: Sequence[JobView], share_gpu_nodes: bool) -> Running:
+        """What the running attempts of ``jobs`` hold on these nodes: those left MIN nodes
+        (each with its nodes still alive), a ``WaitForNodes`` for each of the others, and
+        the room the first leave. Worked out once for the same running attempts: a pass
+        asks it of the queue's head (``room_left``), then of its plan."""
+        active = [job for job in jobs if job.state.is_active() and job.attempt_id is not None]
+        key = (*map(id, active), share_gpu_nodes)
+        if self._running is not None and self._running[0] == key:
+            return self._running[2]
+        alive_ids = self.alive_ids
+        running: list[tuple[JobView, list[int]]] = []
+        waits: list[Action] = []
+        whole: set[int] = set()  # nodes an attempt on "cpu" holds
+        held: dict[int, set[int]] = {}  # GPUs attempts on "cuda" hold, by node
+        owners: dict[int, set[Owner]] = {}  # whose attempts on "cuda" hold GPUs, by node
+        for n in self.alive:
+            for ended in n.ending:
+                if ended.device == "cuda":
+                    held.setdefault(n.id, set()).update(ended.gpus)
+                    owners.setdefault(n.id, set()).add(ended.owner)
+                else:
+                    whole.add(n.id)
+        for job in active:
+            remaining = [m for m in job.members if m in alive_ids]
+            if len(remaining) < job.spec.min_nodes:
+                waits.append(WaitForNodes(job.id, cast(int, job.attempt_id)))
+                continue
+            if job.device == "cuda":
+                for node_id, holds in zip(job.members, job.member_gpus, strict=True):
+                    if node_id in alive_ids:
+                        held.setdefault(node_id, set()).update(holds)
+                        owners.setdefault(node_id, set()).add(job.owner)
+            else:
+                whole.update(remaining)
+            running.append((job, remaining))
+        result = Running(running, waits, Room(self.alive, whole, held, owners, share_gpu_nodes))
+        self._running = (key, active, result)
+        return result
+
+
+class Running(NamedTuple):
+    """What ``Fleet.running`` says of the running attempts."""
+
+    attempts: list[tuple[JobView, list[int]]]  # each left enough nodes, with them
+    waits: list[Action]  # a ``WaitForNodes`` for each of the others
+    room: Room  # what the first leave
 
 
 def _place_queue(
@@ -315,37 +365,11 @@ def _place_queue(
     running attempts left MIN nodes (each with its nodes still alive) and the room the
     placements left. Decides, into ``actions`` (none: decides nothing but the room), the
     ``WaitForNodes``, ``GiveUpWaiting``, ``PlaceJob`` and ``ExplainWait`` of ``plan``."""
-    alive, alive_ids = fleet.alive, fleet.alive_ids
-    running: list[tuple[JobView, list[int]]] = []
-    whole: set[int] = set()  # nodes an attempt on "cpu" holds
-    held: dict[int, set[int]] = {}  # GPUs attempts on "cuda" hold, by node
-    owners: dict[int, set[Owner]] = {}  # whose attempts on "cuda" hold GPUs, by node
-    for n in alive:
-        for ended in n.ending:
-            if ended.device == "cuda":
-                held.setdefault(n.id, set()).update(ended.gpus)
-                owners.setdefault(n.id, set()).add(ended.owner)
-            else:
-                whole.add(n.id)
-    for job in jobs:
-        if not job.state.is_active() or job.attempt_id is None:
-            continue
-        remaining = [m for m in job.members if m in alive_ids]
-        if len(remaining) < job.spec.min_nodes:
-            if actions is not None:
-                actions.append(WaitForNodes(job.id, job.attempt_id))
-            continue
-        if job.device == "cuda":
-            for node_id, holds in zip(job.members, job.member_gpus, strict=True):
-                if node_id in alive_ids:
-                    held.setdefault(node_id, set()).update(holds)
-                    owners.setdefault(node_id, set()).add(job.owner)
-        else:
-            whole.update(remaining)
-        running.append((job, remaining))
-
+    running, waits, room = fleet.running(jobs, share_gpu_nodes)
+    if actions is not None:
+        actions += waits
     pending: list[JobView] = []
-    for job in sorted(jobs, key=queue_key):
+    for job in sorted((j for j in jobs if j.state.is_placeable()), key=queue_key):
         if job.state is JobState.WAITING and job.waiting_since is not None:
             if now - job.waiting_since > timedelta(seconds=job.spec.wait_for_nodes_s):
                 if actions is not None:
@@ -353,11 +377,9 @@ def _place_queue(
                 continue
             if job.not_before is not None and now < job.not_before:
                 continue
-        if job.state.is_placeable():
-            pending.append(job)
+        pending.append(job)
     # By what a job asks: a deep queue asks the same few questions of the nodes.
     reasons = fleet.reasons
-    room = Room(alive, whole, held, owners, share_gpu_nodes)
     for job in pending:
         per_node, min_nodes = job.spec.nproc_per_node, job.spec.min_nodes
         device = resolve_device(job.spec.device, reasons.gpu_nodes.enough(min_nodes, per_node))
@@ -408,6 +430,19 @@ def takes_any(room: Room, asks: Iterable[Ask], gpu_nodes: GpuNodes) -> bool:
 SpecCache = dict[tuple[int, datetime], JobSpec]
 
 
+class ViewCache:
+    """The views one pass made, by id, with what each was made of (a node's row and what
+    ended attempts hold on it; a job's row and its running attempt): the next pass gives a
+    row that has not changed the view it had, rather than make it again. Each pass keeps
+    the views of its own rows alone. A pass reads every node and placed job, and most of
+    them are as they were: a heartbeat changes one node's row."""
+
+    def __init__(self) -> None:
+        # By id: what the view was made of, and the view.
+        self.nodes: dict[int, tuple[tuple[Any, ...], NodeView]] = {}
+        self.jobs: dict[int, tuple[tuple[Any, ...], JobView]] = {}
+
+
 def load_views(
     session: Session, specs: SpecCache | None = None, base_interval_s: float | None = None
 ) -> tuple[list[NodeView], list[JobView]]:
@@ -425,6 +460,7 @@ def read_fleet(
     specs: SpecCache,
     base_interval_s: float | None = None,
     heard_since: datetime | None = None,
+    views: ViewCache | None = None,
 ) -> tuple[list[NodeView], list[JobView]]:
     """The nodes (with their GPUs, what ended attempts' active members still hold on
     them and, given the ``base_interval_s`` of heartbeats, the silence each was allowed
@@ -448,6 +484,7 @@ def read_fleet(
     the 4,096 texts kept has the rest parsed on every pass, as before.
     """
     db = session.connection()
+    views = ViewCache() if views is None else views
     node_columns = (
         Node.id,
         Node.state,
@@ -464,40 +501,49 @@ def read_fleet(
         .where(Job.state.in_([s for s in JobState if s.is_placed()]))
         .order_by(Job.id)  # the same input to ``plan`` whatever order the join returns
     )
-    rows: list[Any] = []
+    job_rows = db.execute(placed).all()
     attempt_of: dict[int, int] = {}
     device_of: dict[int, Device] = {}
-    for *row, running_id, device in db.execute(placed).all():
-        job_id = cast(int, row[0])
+    for row in job_rows:
+        running_id = row[-2]
         if running_id is not None:
-            if job_id in attempt_of:
-                raise MultipleResultsFound(f"job {job_id} has more than one running attempt")
-            attempt_of[job_id] = running_id
-            device_of[running_id] = stored_device(device)
-        rows.append(row)
-    members = held_now()
+            if row[0] in attempt_of:
+                raise MultipleResultsFound(f"job {row[0]} has more than one running attempt")
+            attempt_of[row[0]] = running_id
+            device_of[running_id] = stored_device(row[-1])
     members_of: dict[int, list[int]] = defaultdict(list)
     gpus_of: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     ending: dict[int, list[Hold]] = defaultdict(list)
-    for node_id, member_of, device, gpus, held_by in db.execute(members).all():
+    for node_id, member_of, device, gpus, held_by in db.execute(held_now()).all():
         if member_of in device_of:
             members_of[member_of].append(node_id)
             gpus_of[member_of].append(_held_gpus(gpus))
         else:
             on = stored_device(device)
             ending[node_id].append(Hold(held_by, on, _held_gpus(gpus) if on == "cuda" else ()))
-    nodes = [
-        NodeView(
-            node_id,
-            state,
-            seen if heard_since is None else max(seen, heard_since),
-            slots,
-            _gpu_indices(gpus),
-            tuple(ending.get(node_id, ())),
-            _extra_silence(told_s, base_interval_s),
-        )
-        for node_id, state, seen, slots, gpus, told_s in node_rows
-    ]
+    node_views: dict[int, tuple[tuple[Any, ...], NodeView]] = {}
+    nodes = []
+    kept_nodes = views.nodes
+    for node_id, state, seen, slots, gpus, told_s in node_rows:
+        heard = seen if heard_since is None or seen >= heard_since else heard_since
+        ends = tuple(ending.get(node_id, ()))
+        key = (state, heard, slots, gpus, told_s, base_interval_s, ends)
+        kept = kept_nodes.get(node_id)
+        if kept is not None and kept[0] == key:
+            view = kept[1]
+        else:
+            view = NodeView(
+                node_id,
+                state,
+                heard,
+                slots,
+                _gpu_indices(gpus),
+                ends,
+                _extra_silence(told_s, base_interval_s),
+            )
+        node_views[node_id] = (key, view)
+        nodes.append(view)
+    views.nodes = node_views
     running_of = {
         job_id: RunningAttempt(
             attempt_id,
@@ -507,7 +553,8 @@ def read_fleet(
         )
         for job_id, attempt_id in attempt_of.items()
     }
-    return nodes, _job_views(session, specs, rows, running_of)
+    jobs = _job_views(session, specs, [row[:-2] for row in job_rows], running_of, views)
+    return nodes, jobs
 
 
 def held_now() -> Select[int, int, str, Any, int | None]:
@@ -590,34 +637,56 @@ NO_ATTEMPT = RunningAttempt(None, "cpu", (), ())
 def _job_views(
     session: Session,
     specs: SpecCache,
-    rows: Sequence[JobRow],
+    rows: Sequence[tuple[Any, ...]],
     running: Mapping[int, RunningAttempt] | None = None,
+    views: ViewCache | None = None,
 ) -> list[JobView]:
     """The views of the jobs ``rows`` hold (``_JOB_COLUMNS``), their specs added to
     ``specs`` where it lacks them, each with its running attempt as ``running`` has it
-    by job (none: no attempt)."""
-    _read_specs(session, specs, [(job_id, created_at) for job_id, _, created_at, *_ in rows])
+    by job (none: no attempt). Given ``views``, a job whose row and attempt are those of
+    a view it holds gets that view, and it is left holding these jobs' views alone."""
     running = running or {}
-    views = []
-    for job_id, state, created_at, waiting_since, not_before, message, owner in rows:
-        attempt = running.get(job_id, NO_ATTEMPT)
-        views.append(
-            JobView(
-                id=job_id,
-                state=state,
-                created_at=created_at,
-                spec=specs[job_id, created_at],
-                attempt_id=attempt.id,
-                members=attempt.members,
-                waiting_since=waiting_since,
-                not_before=not_before,
-                message=message,
-                device=attempt.device,
-                member_gpus=attempt.member_gpus,
-                owner=owner,
-            )
+    made: dict[int, tuple[tuple[Any, ...], JobView]] = {}
+    kept = {} if views is None else views.jobs
+    out: list[JobView | tuple[Any, ...]] = []
+    for row in rows:
+        key = (*row, running.get(row[0], NO_ATTEMPT))
+        old = kept.get(row[0])
+        if old is not None and old[0] == key:
+            out.append(old[1])
+            made[row[0]] = old
+        else:
+            out.append(key)
+    _read_specs(
+        session,
+        specs,
+        [(key[0], key[2]) for key in out if not isinstance(key, JobView)],
+    )
+    result = []
+    for item in out:
+        if isinstance(item, JobView):
+            result.append(item)
+            continue
+        job_id, state, created_at, waiting_since, not_before, message, owner, attempt = item
+        view = JobView(
+            id=job_id,
+            state=state,
+            created_at=created_at,
+            spec=specs[job_id, created_at],
+            attempt_id=attempt.id,
+            members=attempt.members,
+            waiting_since=waiting_since,
+            not_before=not_before,
+            message=message,
+            device=attempt.device,
+            member_gpus=attempt.member_gpus,
+            owner=owner,
         )
-    return views
+        made[job_id] = (item, view)
+        result.append(view)
+    if views is not None:
+        views.jobs = made
+    return result
 
 
 def _read_specs(session: Session, specs: SpecCache, keys: list[tuple[int, datetime]]) -> None:
@@ -792,6 +861,7 @@ class Reconciler:
         self._leading_since = clock()
         self._last_pass: datetime | None = None  # wall time of the loop's last pass
         self._specs: SpecCache = {}  # the open jobs' specs, read once each
+        self._views = ViewCache()  # the last pass's views of the nodes and placed jobs
         # The last whole read of the queue; its ``told`` holds what the PENDING jobs ask
         # (at least): the asks of that read, and of every job read since (``_with_queue``).
         self._whole_read: WholeRead | None = None
@@ -830,7 +900,11 @@ class Reconciler:
         share = self._settings.share_gpu_nodes_across_users
         with transaction(self._factory) as session:
             nodes, placed = read_fleet(
-                session, self._specs, self._settings.heartbeat_interval_s, self._leading_since
+                session,
+                self._specs,
+                self._settings.heartbeat_interval_s,
+                self._leading_since,
+                self._views,
             )
             fleet = Fleet(now, nodes, node_timeout)
             phase.done("fleet")

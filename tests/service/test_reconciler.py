@@ -9,6 +9,7 @@ import pytest
 from service.reconciler import (
     AddMembers,
     ExplainWait,
+    Fleet,
     GiveUpWaiting,
     JobView,
     MarkNodeLost,
@@ -17,6 +18,7 @@ from service.reconciler import (
     WaitForNodes,
     plan,
     rest_after,
+    room_left,
     stalled,
 )
 from service.spec import JobSpec, TaskSpec
@@ -211,6 +213,30 @@ def test_plan_is_pure() -> None:
     nodes = [node(1), node(2)]
     jobs = [job(1, (1, 2))]
     assert plan(T0, nodes, jobs, TIMEOUT) == plan(T0, nodes, jobs, TIMEOUT)
+
+
+def test_a_fleet_works_out_once_what_the_same_running_attempts_hold() -> None:
+    """A pass asks it of the queue's head (``room_left``), then of its plan: the second
+    question gets the first's answer, other running attempts their own, and a plan on
+    a fleet asked before decides what a plan alone does."""
+    nodes = [node(1), node(2), node(3, seen=-20)]  # node 3 has been silent too long
+    running = job(1, (1, 1), JobState.RUNNING, members=(1,))
+    stranded = job(2, (1, 1), JobState.RUNNING, members=(3,))
+    queued = job(3, (1, 1), created=1.0)
+    fleet = Fleet(T0, nodes, TIMEOUT)
+    first = fleet.running([running, stranded], False)
+    assert [j.id for j, _ in first.attempts] == [1]
+    assert first.waits == [WaitForNodes(2, 102)]
+    assert fleet.running([running, queued, stranded], False) is first
+    assert room_left(T0, fleet, [running, stranded]).fitting("cpu", 1) == [(2, ())]
+    jobs = [running, stranded, queued]
+    shared = plan(T0, nodes, jobs, TIMEOUT, False, fleet)
+    assert shared == plan(T0, nodes, jobs, TIMEOUT)
+    assert shared[1:] == [WaitForNodes(2, 102), PlaceJob(3, (2,))]
+    other = fleet.running([running], False)
+    assert other is not first
+    assert (other.attempts, other.waits) == ([(running, [1])], [])
+    assert fleet.running([running], True) is not other
 
 
 def explained(now: datetime, nodes: list[NodeView], jobs: list[JobView]) -> dict[int, str]:

@@ -1,4 +1,5 @@
-"""A reconciler pass costs the database the same number of statements however deep the queue."""
+"""A reconciler pass costs the database the same number of statements however deep the
+queue, and makes again only the views of the rows that changed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
-from service.reconciler import Reconciler
+from service.db import transaction
+from service.reconciler import JobView, NodeView, Reconciler, ViewCache, read_fleet
+from service.states import JobState, NodeState
+from tests.helpers import FakeClock
 from tests.service.helpers import Cluster, heartbeat, job, register, statements, submit
 
 
@@ -71,3 +75,45 @@ def test_a_pass_sends_as_many_statements_for_30_jobs_as_for_3(
             ("submitted", "job 'j' submitted by queue", {}),
             ("waiting", why, {}),
         ]
+
+
+def test_a_pass_makes_again_only_the_views_of_rows_that_changed(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """The views a read makes are kept for the next: a row as it was gives the same view,
+    a changed one (a heartbeat, a node lost, a job that waits) a new view that says so,
+    and the views of rows no longer read are dropped."""
+    a, b = register(api, "a"), register(api, "b")
+    first, second = submit(api, "1:1"), submit(api, "1:1")
+    reconciler.run_once()
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    views, specs = ViewCache(), {}
+
+    def read() -> tuple[dict[int, NodeView], dict[int, JobView]]:
+        with transaction(factory) as session:
+            nodes, jobs = read_fleet(session, specs, 5.0, None, views)
+        return {n.id: n for n in nodes}, {j.id: j for j in jobs}
+
+    nodes, jobs = read()
+    assert {j.id: j.members for j in jobs.values()} == {first: (a,), second: (b,)}
+    again_nodes, again_jobs = read()
+    assert all(again_nodes[i] is nodes[i] for i in (a, b))
+    assert all(again_jobs[i] is jobs[i] for i in (first, second))
+
+    clock.advance(11)  # past the node timeout: b, silent, is lost
+    heartbeat(api, a)
+    reconciler.run_once()
+    later_nodes, later_jobs = read()
+    assert later_nodes[a] is not nodes[a]
+    assert later_nodes[a].last_heartbeat_at == clock.now
+    assert later_nodes[b].state is NodeState.LOST
+    assert later_jobs[first] is jobs[first]
+    assert (later_jobs[second].state, later_jobs[second].members) == (JobState.WAITING, ())
+    assert len(views.nodes) == 2
+    kept = [view for _, view in views.jobs.values()]
+    assert kept[0] is later_jobs[first] and kept[1] is later_jobs[second] and len(kept) == 2
+
+    assert api.post(f"/api/v1/jobs/{second}/cancel").status_code == 200
+    assert second not in read()[1]
+    kept = [view for _, view in views.jobs.values()]
+    assert len(kept) == 1 and kept[0] is later_jobs[first]
