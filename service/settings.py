@@ -165,7 +165,7 @@ class ControllerSettings(BaseSettings):
         "thread of the API's process (also the case for an in-memory SQLite database)",
     )
     reconciler_nice: int = Field(
-        default=-5,
+        default=-10,
         ge=-20,
         le=0,
         description="Added to the controller's nice value for its reconciler's process: "

@@ -105,10 +105,11 @@ def test_the_reconciler_runs_in_a_child_process_that_places_jobs_and_sends_its_m
     process = child(live)
     assert process.ppid() == os.getpid()
     until(lambda: process.name() == PROCESS_NAME)  # named once it has started
-    # Nicer by RELAUNCH_RECONCILER_NICE (-5) than the controller, which these tests run as
+    # Nicer by RELAUNCH_RECONCILER_NICE (-10) than the controller, which these tests run as
     # root, once it has its settings; its threads too.
     assert os.geteuid() == 0
-    nice = os.getpriority(os.PRIO_PROCESS, 0) - 5
+    assert ControllerSettings.model_fields["reconciler_nice"].default == -10
+    nice = os.getpriority(os.PRIO_PROCESS, 0) - 10
     until(lambda: {t.id for t in process.threads()} and process.nice() == nice)
     assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in process.threads()} == {nice}
     node = register(live, "a")
