@@ -1,26 +1,37 @@
-"""Where a thread's wall time went, as Linux's scheduler counts it for the thread
-(``/proc/thread-self/schedstat``): on a CPU, or ready to run and waiting for one. The
-rest of a span is time the thread slept: waiting on a socket (the database), a lock, or
-the interpreter's lock. Elsewhere (no such file) there are no figures.
+"""Where a thread's wall time went: on a CPU (``time.thread_time``, exact), ready to run
+but waiting for a CPU (Linux's scheduler's count for the thread, the second figure of
+``/proc/self/task/TID/schedstat``), and the rest, time the thread slept: waiting on a
+socket (the database), a lock, or the interpreter's lock. Where the kernel keeps no such
+count there are no figures.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEDSTAT = Path("/proc/thread-self/schedstat")
+# Where each thread of this process has its scheduler's counts.
+TASKS = Path("/proc/self/task")
 
 
-def scheduler_times(path: Path = SCHEDSTAT) -> tuple[float, float] | None:
-    """The calling thread's seconds on a CPU and seconds ready but waiting for one, since
-    it began; None where the kernel does not say."""
+def schedstat_of(thread_id: int, tasks: Path = TASKS) -> Path:
+    """Where the scheduler's counts of thread ``thread_id`` (its native id) are."""
+    return tasks / str(thread_id) / "schedstat"
+
+
+def waited_for_cpu(path: Path) -> float | None:
+    """The seconds the thread of ``path`` (``schedstat_of``) has been ready to run but
+    waiting for a CPU since it began; None where the kernel does not say. A kernel that
+    keeps no counts writes zeros, and a thread that reads its own file has run."""
     try:
-        on_cpu, waiting, *_ = path.read_text().split()
-        return int(on_cpu) / 1e9, int(waiting) / 1e9
+        on_cpu, waiting, *_ = (int(field) for field in path.read_text().split())
     except (OSError, ValueError):
         return None
+    if on_cpu == 0:
+        return None
+    return waiting / 1e9
 
 
 @dataclass(frozen=True)
@@ -40,18 +51,22 @@ class Split:
 
 
 class SpanClock:
-    """Splits the wall time from its making to ``split`` (same thread) as ``Split`` says."""
+    """Splits the wall time of the thread that made it, from its making to ``split``, as
+    ``Split`` says. ``split`` on another thread has no figures (a thread's CPU time is
+    read on the thread itself)."""
 
-    def __init__(self, path: Path = SCHEDSTAT) -> None:
-        self._path = path
+    def __init__(self, tasks: Path = TASKS) -> None:
+        self._thread = threading.get_native_id()
+        self._path = schedstat_of(self._thread, tasks)
         self._wall = time.perf_counter()
-        self._start = scheduler_times(path)
+        self._cpu = time.thread_time()
+        self._waited = waited_for_cpu(self._path)
 
     def split(self) -> Split | None:
         wall = time.perf_counter() - self._wall
-        end = scheduler_times(self._path)
-        if self._start is None or end is None:
+        running = time.thread_time() - self._cpu
+        waited = waited_for_cpu(self._path)
+        if self._waited is None or waited is None or threading.get_native_id() != self._thread:
             return None
-        running = max(0.0, end[0] - self._start[0])
-        runnable = max(0.0, end[1] - self._start[1])
+        runnable = max(0.0, waited - self._waited)
         return Split(running, runnable, max(0.0, wall - running - runnable))

@@ -4,14 +4,17 @@ queue, and makes again only the views of the rows that changed."""
 from __future__ import annotations
 
 from collections import Counter
+from datetime import datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import MultipleResultsFound
 
 from service.db import transaction
+from service.models import Attempt
 from service.reconciler import JobView, NodeView, Reconciler, ViewCache, read_fleet
-from service.states import JobState, NodeState
+from service.states import AttemptState, JobState, NodeState
 from tests.helpers import FakeClock
 from tests.service.helpers import Cluster, heartbeat, job, register, statements, submit
 
@@ -117,3 +120,64 @@ def test_a_pass_makes_again_only_the_views_of_rows_that_changed(
     assert second not in read()[1]
     kept = [view for _, view in views.jobs.values()]
     assert len(kept) == 1 and kept[0] is later_jobs[first]
+
+
+def test_a_view_is_made_again_when_what_is_beside_its_row_changes(
+    api: Cluster, reconciler: Reconciler, clock: FakeClock
+) -> None:
+    """A scale-up changes the running attempt's members, not the job's row; the floor under
+    a node's last heartbeat and the base heartbeat interval are not in the node's row."""
+    a = register(api, "a")
+    grows = submit(api, "1:2")
+    reconciler.run_once()  # on a alone
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    views, specs = ViewCache(), {}
+
+    def read(
+        heard_since: datetime | None = None, base_s: float = 5.0
+    ) -> tuple[dict[int, NodeView], dict[int, JobView]]:
+        with transaction(factory) as session:
+            nodes, jobs = read_fleet(session, specs, base_s, heard_since, views)
+        return {n.id: n for n in nodes}, {j.id: j for j in jobs}
+
+    before = read()[1][grows]
+    assert before.members == (a,)
+    b = register(api, "b")
+    reconciler.run_once()  # b joins the running attempt
+    nodes, jobs = read()
+    assert jobs[grows] is not before
+    assert (jobs[grows].attempt_id, jobs[grows].members) == (before.attempt_id, (a, b))
+
+    later = clock.now + timedelta(seconds=5)
+    floored = read(heard_since=later)[0]
+    assert all(floored[i] is not nodes[i] for i in (a, b))
+    assert {floored[i].last_heartbeat_at for i in (a, b)} == {later}
+    told_longer = read(heard_since=later, base_s=1.0)[0]
+    assert all(told_longer[i] is not floored[i] for i in (a, b))
+    assert read(heard_since=later, base_s=1.0)[0][a] is told_longer[a]
+
+
+def test_a_job_with_two_running_attempts_is_an_error(api: Cluster, reconciler: Reconciler) -> None:
+    register(api, "a")
+    job_id = submit(api, "1:1")
+    reconciler.run_once()
+    factory = api.app.state.session_factory  # type: ignore[attr-defined]
+    with transaction(factory) as session:
+        (first,) = session.scalars(select(Attempt).where(Attempt.job_id == job_id))
+        session.add(
+            Attempt(
+                job_id=job_id,
+                number=2,
+                rdzv_id=f"{first.rdzv_id}-twice",
+                state=AttemptState.RUNNING,
+                started_count=0,
+                created_at=first.created_at,
+                result="",
+                device="cpu",
+            )
+        )
+    with (
+        transaction(factory) as session,
+        pytest.raises(MultipleResultsFound, match=f"job {job_id}"),
+    ):
+        read_fleet(session, {}, 5.0, None, ViewCache())

@@ -7,15 +7,18 @@ import multiprocessing
 import multiprocessing.synchronize
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from service.reconciler import _PhaseTimer
-from service.thread_time import SCHEDSTAT, SpanClock, scheduler_times
+from service.thread_time import SpanClock, Split, schedstat_of, waited_for_cpu
 
-linux_only = pytest.mark.skipif(not SCHEDSTAT.exists(), reason="the kernel keeps no schedstat")
+linux_only = pytest.mark.skipif(
+    not schedstat_of(threading.get_native_id()).exists(), reason="the kernel keeps no schedstat"
+)
 
 
 def _spin(seconds: float) -> None:
@@ -69,16 +72,34 @@ def test_a_thread_that_shares_its_cpu_with_a_busy_process_waits_for_it() -> None
 
 
 def test_no_figures_where_the_kernel_does_not_say(tmp_path: Path) -> None:
-    assert scheduler_times(tmp_path / "missing") is None
-    garbled = tmp_path / "schedstat"
-    garbled.write_text("not numbers\n")
-    assert scheduler_times(garbled) is None
-    assert SpanClock(tmp_path / "missing").split() is None
-    # Figures at the start but none at the end (or the other way round) split nothing.
-    garbled.write_text("1000 2000 3\n")
-    clock = SpanClock(garbled)
-    garbled.write_text("")
+    me = threading.get_native_id()
+    stat = schedstat_of(me, tmp_path)
+    assert waited_for_cpu(stat) is None  # no such file
+    stat.parent.mkdir()
+    stat.write_text("not numbers\n")
+    assert waited_for_cpu(stat) is None
+    stat.write_text("0 0 0\n")  # a kernel that keeps no counts
+    assert waited_for_cpu(stat) is None
+    stat.write_text("1000 2000000000 3\n")
+    assert waited_for_cpu(stat) == 2.0
+    assert SpanClock(tmp_path / "none").split() is None
+    # Figures at the start but none at the end split nothing.
+    clock = SpanClock(tmp_path)
+    stat.write_text("")
     assert clock.split() is None
+
+
+@linux_only
+def test_a_span_split_on_another_thread_has_no_figures() -> None:
+    """A thread's CPU time is read on the thread itself: a split made elsewhere would mix
+    two threads' counts."""
+    clock = SpanClock()
+    assert clock.split() is not None
+    elsewhere: list[Split | None] = [Split(0, 0, 0)]
+    other = threading.Thread(target=lambda: elsewhere.__setitem__(0, clock.split()))
+    other.start()
+    other.join()
+    assert elsewhere == [None]
 
 
 @linux_only
