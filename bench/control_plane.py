@@ -45,7 +45,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -817,6 +817,22 @@ def _delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def _by_label(
+    before: Samples, after: Samples, name: str, label: str, values: Iterable[str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The mean and p99 (ms) of histogram ``name`` between the two scrapes, by each of
+    ``values`` of ``label`` that has samples in between."""
+    means, p99s = {}, {}
+    for value in values:
+        n = _delta(before, after, f"{name}_count", **{label: value})
+        if n:
+            means[value] = 1000 * _delta(before, after, f"{name}_sum", **{label: value}) / n
+            p99s[value] = 1000 * histogram_quantile(
+                0.99, buckets(before, after, name, **{label: value})
+            )
+    return means, p99s
+
+
 def buckets(before: Samples, after: Samples, name: str, **labels: str) -> list[tuple[float, float]]:
     """The histogram ``name``'s cumulative buckets over the run: (upper bound, count)."""
     found = []
@@ -891,24 +907,18 @@ def _result(
     passes = buckets(before, after, "relaunch_reconcile_pass_seconds")
     passes_n = _delta(before, after, "relaunch_reconcile_pass_seconds_count")
     pass_sum = _delta(before, after, "relaunch_reconcile_pass_seconds_sum")
-    phases, phases_p99 = {}, {}
-    for phase in RECONCILE_PHASES:
-        name = "relaunch_reconcile_phase_seconds"
-        n = _delta(before, after, f"{name}_count", phase=phase)
-        if n:  # a controller times either "load" or its parts
-            phases[phase] = 1000 * _delta(before, after, f"{name}_sum", phase=phase) / n
-            phases_p99[phase] = 1000 * histogram_quantile(
-                0.99, buckets(before, after, name, phase=phase)
-            )
-    split, split_p99 = {}, {}
-    for state in ("running", "runnable", "blocked"):
-        name = "relaunch_reconcile_pass_split_seconds"
-        n = _delta(before, after, f"{name}_count", state=state)
-        if n:  # none where the kernel does not say
-            split[state] = 1000 * _delta(before, after, f"{name}_sum", state=state) / n
-            split_p99[state] = 1000 * histogram_quantile(
-                0.99, buckets(before, after, name, state=state)
-            )
+    # A controller times either "load" or its parts; the split is missing where the
+    # kernel does not say.
+    phases, phases_p99 = _by_label(
+        before, after, "relaunch_reconcile_phase_seconds", "phase", RECONCILE_PHASES
+    )
+    split, split_p99 = _by_label(
+        before,
+        after,
+        "relaunch_reconcile_pass_split_seconds",
+        "state",
+        ("running", "runnable", "blocked"),
+    )
     actions = {
         dict(labels)["action"]: _delta(before, after, name, **dict(labels))
         for (name, labels) in after

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(
             what,
             reads,
-            f"{statistics.median(walls):.1f}",
+            f"{wall(values):.1f}",
             f"{quantile(sorted(walls), 0.99):.1f}",
             f"{statistics.median(v.cpu for v in values):.1f}",
             str(len(values)),
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(
             what,
             "head",
-            f"{statistics.median(walls):.1f}",
+            f"{wall(values):.1f}",
             f"{max(walls):.1f} (max)",
             f"{statistics.median(v.cpu for v in values):.1f}",
             str(len(values)),

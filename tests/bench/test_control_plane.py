@@ -16,6 +16,7 @@ from bench.control_plane import (
     BASELINES,
     CODE_ROOT,
     Options,
+    _by_label,
     histogram_quantile,
     poll,
     print_table,
@@ -214,3 +215,28 @@ def test_a_reader_at_a_fixed_rate_that_starts_late_sends_what_was_due_at_once(
     latencies, _, errors = poll(answering, "t", "/jobs", False, since + 1.5, rate=10, since=since)
     assert errors == {} and len(latencies) == 15  # as many as an on-time reader sends
     assert max(latencies) >= 900  # the late ones count from when they were due
+
+
+def test_a_histogram_is_read_by_label_with_only_the_labels_that_have_samples() -> None:
+    """What the bench prints of the pass's phases and of its thread's split: each label
+    value's mean and p99 over the run, and nothing for a value with no sample."""
+    name = "relaunch_reconcile_pass_split_seconds"
+
+    def sample(
+        suffix: str, value: float, **labels: str
+    ) -> tuple[tuple[str, frozenset[tuple[str, str]]], float]:
+        return (f"{name}{suffix}", frozenset({"state": "running", **labels}.items())), value
+
+    before = dict([sample("_count", 2), sample("_sum", 0.01), sample("_bucket", 2, le="0.025")])
+    after = dict(
+        [
+            sample("_count", 6),
+            sample("_sum", 0.11),
+            sample("_bucket", 4, le="0.025"),
+            sample("_bucket", 6, le="0.05"),
+            sample("_bucket", 6, le="+Inf"),
+        ]
+    )
+    means, p99s = _by_label(before, after, name, "state", ("running", "blocked"))
+    assert means == {"running": pytest.approx(25.0)}  # 0.1 s over 4 passes
+    assert list(p99s) == ["running"] and 25.0 < p99s["running"] <= 50.0
