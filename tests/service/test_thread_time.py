@@ -27,6 +27,13 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _burn(cpu_seconds: float) -> None:
+    """Spin until this thread has had ``cpu_seconds`` on a CPU, however busy the machine."""
+    end = time.thread_time() + cpu_seconds
+    while time.thread_time() < end:
+        pass
+
+
 def _spin_on(cpu: int, started: multiprocessing.synchronize.Event) -> None:
     os.sched_setaffinity(0, {cpu})
     started.set()
@@ -36,7 +43,7 @@ def _spin_on(cpu: int, started: multiprocessing.synchronize.Event) -> None:
 @linux_only
 def test_a_busy_span_is_running_and_a_sleeping_one_blocked() -> None:
     busy = SpanClock()
-    _spin(0.3)
+    _burn(0.3)
     worked = busy.split()
     asleep = SpanClock()
     time.sleep(0.3)
@@ -107,7 +114,7 @@ def test_a_slow_pass_is_logged_with_where_its_thread_spent_the_time(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     timer = _PhaseTimer(None)
-    _spin(0.05)
+    _burn(0.05)
     timer.done("fleet")
     time.sleep(0.05)
     timer.done("apply")
