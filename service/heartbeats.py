@@ -15,8 +15,9 @@ success, and another node's launcher may still be on its way out (past torch's e
 barrier, in its interpreter's teardown). Dropped from the answer, its agent would stop
 it, and its own success would read "stopped".
 An assignment is rendered (spec parsed, task arguments rendered, env decrypted) once
-per distinct ``Membership`` and kept in ``Answers``: a later heartbeat that reads the
-same values gets the same assignment without rendering it again. The key is what
+per distinct ``Membership`` and kept in ``Answers``, by node, until the node holds it no
+more: a later heartbeat that reads the same values gets the same assignment without
+rendering it again. The key is what
 this heartbeat's own transaction read, never what this controller did, so
 controllers that share a database stay right: a change that another one makes
 (a member lost, a restart) changes the values read, hence the key.
@@ -55,8 +56,8 @@ from service.states import AttemptState, MemberState, NodeState
 
 logger = logging.getLogger(__name__)
 
-# Rendered assignments kept per controller: more than a fleet's running memberships.
-ANSWERS_KEPT = 20_000
+# Nodes whose rendered assignments are kept per API process: more than a fleet's nodes.
+NODES_KEPT = 20_000
 # How long a count of the ALIVE nodes sets the pace before it is read again.
 PACE_RECOUNT_S = 5.0
 # The longest interval a node is told, however large the fleet: what it is told
@@ -209,27 +210,39 @@ class Liveness:
 
 
 class Answers:
-    """Rendered assignments by the ``Membership`` each was rendered from; at most
-    ``size``, the least recently used dropped first. Safe to share between threads."""
+    """Rendered assignments by node, each by the ``Membership`` it was rendered from.
 
-    def __init__(self, size: int = ANSWERS_KEPT) -> None:
+    What a node is answered replaces what was kept for it (``keep``): only what it holds
+    now stays, so an attempt that ended, or a membership whose values moved, is let go
+    with the node's next heartbeat rather than kept until it is the least recently used
+    of many. What is kept is then about the fleet's running memberships, and stays that
+    size: an API process under a steady load does not grow, and its garbage collector
+    (which scans once enough more objects are alive) has little reason to run. At most
+    ``size`` nodes' answers, the node answered least recently dropped first. Safe to share
+    between threads."""
+
+    def __init__(self, size: int = NODES_KEPT) -> None:
         self._size = size
-        self._kept: OrderedDict[Membership, Rendered] = OrderedDict()
+        self._kept: OrderedDict[int, dict[Membership, Rendered]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, held: Membership) -> Rendered | None:
+    def of(self, node_id: int) -> dict[Membership, Rendered]:
+        """What was last kept for node ``node_id`` (not to be changed)."""
         with self._lock:
-            found = self._kept.get(held)
-            if found is not None:
-                self._kept.move_to_end(held)
-            return found
+            return self._kept.get(node_id, {})
 
-    def put(self, held: Membership, rendered: Rendered) -> None:
+    def keep(self, node_id: int, rendered: dict[Membership, Rendered]) -> None:
+        """Keep ``rendered`` as all that node ``node_id`` is answered, in place of what was."""
         with self._lock:
-            self._kept[held] = rendered
-            self._kept.move_to_end(held)
+            self._kept[node_id] = rendered
+            self._kept.move_to_end(node_id)
             while len(self._kept) > self._size:
                 self._kept.popitem(last=False)
+
+    def __len__(self) -> int:
+        """How many assignments are kept, all nodes together."""
+        with self._lock:
+            return sum(len(held) for held in self._kept.values())
 
 
 def record(
@@ -272,10 +285,11 @@ def answer(
     """The JSON of the ``HeartbeatReply`` to node ``node_id`` (``reply``), its memberships
     read in ``session``."""
     found = memberships(session, node_id, now)
-    return reply(found, body, settings, keyring, answers, interval_s, lambda: session)
+    return reply(node_id, found, body, settings, keyring, answers, interval_s, lambda: session)
 
 
 def reply(
+    node_id: int,
     found: list[tuple[Membership, bool]],
     body: Heartbeat,
     settings: ControllerSettings,
@@ -284,9 +298,10 @@ def reply(
     interval_s: float,
     session: Callable[[], Session],
 ) -> bytes:
-    """The JSON of the ``HeartbeatReply``: an assignment for each membership ``found``
-    (``memberships``), rendered or taken from ``answers``, and the ``interval_s`` to wait
-    before the next heartbeat. An assignment the node does not run yet carries a new
+    """The JSON of the ``HeartbeatReply`` to node ``node_id``: an assignment for each
+    membership ``found`` (``memberships``), rendered or taken from what ``answers`` kept
+    for the node (what it is answered now is kept in its place), and the ``interval_s`` to
+    wait before the next heartbeat. An assignment the node does not run yet carries a new
     worker token (``service.fence``): the node starts it with the token of the reply it
     acts on, and one it runs keeps the token its workers hold. One of an attempt that
     SUCCEEDED within ``FINISHING_GRACE_S`` is listed only if the node runs it (it is
@@ -294,11 +309,8 @@ def reply(
     to write a worker token: not for a node that runs all it holds, all rendered."""
     running = {r.attempt_id for r in body.running}
     held = [m for m, finishing in found if not finishing or m.attempt_id in running]
-    rendered: dict[Membership, Rendered] = {}
-    for m in held:
-        kept = answers.get(m)
-        if kept is not None:
-            rendered[m] = kept
+    kept = answers.of(node_id)
+    rendered = {m: kept[m] for m in held if m in kept}
     missing = {m.job_id for m in held if m not in rendered}
     if missing:
         stmt = select(Job.id, Job.spec).where(Job.id.in_(missing))
@@ -310,7 +322,7 @@ def reply(
                 stored = specs[m.job_id]
                 made = assignment_for(m, parse_stored_spec(stored), stored, settings, keyring)
                 rendered[m] = Rendered(made, made.model_dump_json().encode())
-                answers.put(m, rendered[m])
+    answers.keep(node_id, rendered)
     parts = []
     for m in held:
         if m.attempt_id in running:

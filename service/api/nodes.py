@@ -193,7 +193,7 @@ def _heartbeat(
         if found is not None and not heartbeats.starts_something(found, body):
             with transaction_if_asked(factory) as session:  # to render a new assignment
                 reply = heartbeats.reply(
-                    found, body, settings, keyring, answers, interval_s, session
+                    node_id, found, body, settings, keyring, answers, interval_s, session
                 )
             return Response(reply, media_type="application/json")
         short_way = found is not None  # recorded; its answer starts something

@@ -11,6 +11,7 @@ from sqlalchemy import Engine, select, text
 
 from service import heartbeats
 from service.api.app import create_app
+from service.attempts import Membership
 from service.models import Node, Role
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
@@ -125,6 +126,8 @@ def test_an_answer_is_rendered_once_until_the_attempt_changes(
         assert again == {**first, "worker_token": None}
     heartbeat(api, b)
     assert rendered == [first["attempt_id"]] * 2  # a's once, b's once
+    answers: heartbeats.Answers = api.app.state.heartbeat_answers
+    assert len(answers) == 2
 
     clock.advance(11)  # c falls silent past the node timeout
     heartbeat(api, a)
@@ -135,6 +138,12 @@ def test_an_answer_is_rendered_once_until_the_attempt_changes(
     assert rendered == [first["attempt_id"]] * 3
     assert running(api, a, [first["attempt_id"]]) == [told]
     assert rendered == [first["attempt_id"]] * 3
+    # a's first assignment, which it holds no more, was let go with a's next heartbeat.
+    assert [m.generation for m in answers.of(a)] == [1]
+    assert len(answers) == 2
+    api.post(f"/api/v1/jobs/{first['job_id']}/cancel")
+    reconciler.run_once()
+    assert running(api, a, []) == [] and len(answers) == 1  # b's, until b is heard from
 
 
 def test_a_lost_node_heartbeating_again_is_alive_and_told_nothing_it_lost(
@@ -213,3 +222,33 @@ def test_liveness_keeps_few_notes_a_node_and_a_failed_write_for_the_next(
     monkeypatch.undo()
     assert liveness.flush(factory) == 1
     assert last_heard(api)[a] == later
+
+
+def _membership(member_id: int) -> Membership:
+    return Membership(
+        member_id=member_id,
+        attempt_id=member_id,
+        job_id=member_id,
+        attempt_number=1,
+        rdzv_id=f"r{member_id}",
+        device=None,
+        gpus=(),
+        restart_count=0,
+        generation=0,
+        active_members=1,
+        memberships=1,
+    )
+
+
+def test_what_is_kept_for_a_node_is_what_it_was_last_answered() -> None:
+    answers = heartbeats.Answers(size=2)
+    first, second, third = (_membership(i) for i in (1, 2, 3))
+    made = heartbeats.Rendered(None, b"{}")  # type: ignore[arg-type]
+    assert answers.of(10) == {}
+    answers.keep(10, {first: made, second: made})
+    answers.keep(20, {third: made})
+    assert set(answers.of(10)) == {first, second} and len(answers) == 3
+    answers.keep(10, {second: made})  # first ended: let go
+    assert set(answers.of(10)) == {second} and len(answers) == 2
+    answers.keep(30, {})  # the third node pushes out the one answered least recently
+    assert answers.of(20) == {} and set(answers.of(10)) == {second} and len(answers) == 1
