@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -151,19 +152,45 @@ def main(argv: list[str]) -> None:
 
 def lower_nice(by: int) -> None:
     """Add ``by`` (0 or less) to this thread's nice value, as threads started after it
-    inherit it; without the right to (CAP_SYS_NICE), keep it and say so."""
+    inherit it. Without the right to (CAP_SYS_NICE), go as low as ``RLIMIT_NICE`` lets an
+    unprivileged process (the compose file's controller is given -10), or keep it; say so
+    either way."""
     if by == 0:
         return
     before = os.getpriority(os.PRIO_PROCESS, 0)
+    wanted = max(-20, before + by)
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, max(-20, before + by))
+        os.setpriority(os.PRIO_PROCESS, 0, wanted)
+        return
     except OSError as exc:
-        logger.warning(
-            "the reconciler process keeps nice %d: lowering it by %d needs CAP_SYS_NICE (%s)",
-            before,
-            -by,
-            exc.strerror,
-        )
+        refused = exc.strerror
+    floor = nice_floor()
+    if before > floor > wanted:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, floor)
+            logger.warning(
+                "the reconciler process runs at nice %d, not %d: RLIMIT_NICE allows no lower "
+                "without CAP_SYS_NICE",
+                floor,
+                wanted,
+            )
+            return
+    logger.warning(
+        "the reconciler process keeps nice %d: lowering it by %d needs CAP_SYS_NICE or a "
+        "higher RLIMIT_NICE (%s)",
+        before,
+        -by,
+        refused,
+    )
+
+
+def nice_floor() -> int:
+    """The lowest nice value ``RLIMIT_NICE`` lets this process set without CAP_SYS_NICE:
+    20 less the limit (Linux's ``setrlimit(2)``), so 20 (none lower) at the usual limit of 0."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft == resource.RLIM_INFINITY:
+        return -20
+    return max(-20, 20 - soft)
 
 
 def serve(settings: ControllerSettings, inbox: Connection, outbox: Connection) -> None:

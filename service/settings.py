@@ -171,7 +171,8 @@ class ControllerSettings(BaseSettings):
         description="Added to the controller's nice value for its reconciler's process: "
         "below 0, a pass gets a core before the API's requests when the host is short of "
         "them. Lowering a nice value needs root (or CAP_SYS_NICE); without it the process "
-        "keeps the controller's, and says so once in the log",
+        "goes as low as RLIMIT_NICE allows (systemd's LimitNICE, compose's ulimits: nice) "
+        "or keeps the controller's, and says which once in the log",
     )
     gc_freeze: bool = Field(
         default=True,

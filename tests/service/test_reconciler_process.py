@@ -6,6 +6,7 @@ with a controller that is killed."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import subprocess
@@ -347,3 +348,41 @@ def test_without_the_right_to_lower_its_nice_the_reconciler_keeps_it_and_says_so
     before, after = done.stdout.split()
     assert before == after, done.stdout
     assert f"keeps nice {before}: lowering it by 5 needs CAP_SYS_NICE" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("limit", "ends_at", "said"),
+    [
+        (25, -5, "runs at nice -5, not -10: RLIMIT_NICE allows no lower"),
+        (0, 0, "keeps nice 0: lowering it by 10 needs CAP_SYS_NICE or a higher RLIMIT_NICE"),
+        (35, -10, None),  # the limit allows all that is asked: no fallback, nothing said
+    ],
+)
+def test_without_the_right_the_reconciler_goes_as_low_as_rlimit_nice_allows(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    limit: int,
+    ends_at: int,
+    said: str | None,
+) -> None:
+    """The kernel's rule for a process without CAP_SYS_NICE (``setrlimit(2)``): its nice
+    value may go no lower than 20 - ``RLIMIT_NICE``. Only the decision is tested here: this
+    machine's root may not raise its own hard limit (no CAP_SYS_RESOURCE), and a process
+    that is not root may not raise it either, so no real process can be given one."""
+    nice = [0]
+
+    def setpriority(which: int, who: int, value: int) -> None:
+        if value < 20 - limit:
+            raise PermissionError(13, "Permission denied")
+        nice[0] = value
+
+    monkeypatch.setattr(reconciler_process.os, "getpriority", lambda which, who: nice[0])
+    monkeypatch.setattr(reconciler_process.os, "setpriority", setpriority)
+    monkeypatch.setattr(reconciler_process.resource, "getrlimit", lambda which: (limit, limit))
+    with caplog.at_level(logging.WARNING, logger="service.reconciler_process"):
+        reconciler_process.lower_nice(-10)
+    assert nice == [ends_at]
+    if said is None:
+        assert caplog.messages == []
+    else:
+        assert any(said in m for m in caplog.messages), caplog.messages
