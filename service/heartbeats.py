@@ -215,34 +215,50 @@ class Answers:
     What a node is answered replaces what was kept for it (``keep``): only what it holds
     now stays, so an attempt that ended, or a membership whose values moved, is let go
     with the node's next heartbeat rather than kept until it is the least recently used
-    of many. What is kept is then about the fleet's running memberships, and stays that
-    size: an API process under a steady load does not grow, and its garbage collector
-    (which scans once enough more objects are alive) has little reason to run. At most
-    ``size`` nodes' answers, the node answered least recently dropped first. Safe to share
-    between threads."""
+    of many. What is kept is then about the fleet's running memberships: an API process
+    whose fleet keeps its nodes does not grow, and its garbage collector (which scans once
+    enough more objects are alive) has little reason to run. A node not answered for
+    ``kept_s`` (five times the longest heartbeat interval: lost, gone, or heard by another
+    API process) has its answers dropped, decrypted env values and all; so has the node
+    answered least recently beyond ``size`` nodes. Safe to share between threads."""
 
-    def __init__(self, size: int = NODES_KEPT) -> None:
+    def __init__(
+        self,
+        size: int = NODES_KEPT,
+        kept_s: float = 5 * HEARTBEAT_INTERVAL_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._size = size
-        self._kept: OrderedDict[int, dict[Membership, Rendered]] = OrderedDict()
+        self._kept_s = kept_s
+        self._clock = clock
+        # By node, in the order they were answered: when, and what.
+        self._kept: OrderedDict[int, tuple[float, dict[Membership, Rendered]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def of(self, node_id: int) -> dict[Membership, Rendered]:
         """What was last kept for node ``node_id`` (not to be changed)."""
         with self._lock:
-            return self._kept.get(node_id, {})
+            found = self._kept.get(node_id)
+        return {} if found is None else found[1]
 
     def keep(self, node_id: int, rendered: dict[Membership, Rendered]) -> None:
         """Keep ``rendered`` as all that node ``node_id`` is answered, in place of what was."""
+        now = self._clock()
         with self._lock:
-            self._kept[node_id] = rendered
+            self._kept[node_id] = (now, rendered)
             self._kept.move_to_end(node_id)
             while len(self._kept) > self._size:
+                self._kept.popitem(last=False)
+            while self._kept:
+                oldest = next(iter(self._kept.values()))
+                if oldest[0] >= now - self._kept_s:
+                    break
                 self._kept.popitem(last=False)
 
     def __len__(self) -> int:
         """How many assignments are kept, all nodes together."""
         with self._lock:
-            return sum(len(held) for held in self._kept.values())
+            return sum(len(held) for _at, held in self._kept.values())
 
 
 def record(
@@ -312,17 +328,19 @@ def reply(
     kept = answers.of(node_id)
     rendered = {m: kept[m] for m in held if m in kept}
     missing = {m.job_id for m in held if m not in rendered}
-    if missing:
-        stmt = select(Job.id, Job.spec).where(Job.id.in_(missing))
-        specs: dict[int, dict[str, Any]] = {
-            job_id: spec for job_id, spec in session().execute(stmt)
-        }
-        for m in held:
-            if m not in rendered:
-                stored = specs[m.job_id]
-                made = assignment_for(m, parse_stored_spec(stored), stored, settings, keyring)
-                rendered[m] = Rendered(made, made.model_dump_json().encode())
-    answers.keep(node_id, rendered)
+    try:
+        if missing:
+            stmt = select(Job.id, Job.spec).where(Job.id.in_(missing))
+            specs: dict[int, dict[str, Any]] = {
+                job_id: spec for job_id, spec in session().execute(stmt)
+            }
+            for m in held:
+                if m not in rendered:
+                    stored = specs[m.job_id]
+                    made = assignment_for(m, parse_stored_spec(stored), stored, settings, keyring)
+                    rendered[m] = Rendered(made, made.model_dump_json().encode())
+    finally:  # what was rendered is kept, even if one assignment could not be
+        answers.keep(node_id, rendered)
     parts = []
     for m in held:
         if m.attempt_id in running:

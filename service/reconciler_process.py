@@ -153,8 +153,8 @@ def main(argv: list[str]) -> None:
 def lower_nice(by: int) -> None:
     """Add ``by`` (0 or less) to this thread's nice value, as threads started after it
     inherit it. Without the right to (CAP_SYS_NICE), go as low as ``RLIMIT_NICE`` lets an
-    unprivileged process (the compose file's controller is given -10), or keep it; say so
-    either way."""
+    unprivileged process (systemd's ``LimitNICE``, compose's ``ulimits: nice``), or keep
+    it; say so either way."""
     if by == 0:
         return
     before = os.getpriority(os.PRIO_PROCESS, 0)

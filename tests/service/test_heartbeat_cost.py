@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select, text
 
+from contract.protocol import Heartbeat
 from service import heartbeats
 from service.api.app import create_app
 from service.attempts import Membership
@@ -252,3 +253,50 @@ def test_what_is_kept_for_a_node_is_what_it_was_last_answered() -> None:
     assert set(answers.of(10)) == {second} and len(answers) == 2
     answers.keep(30, {})  # the third node pushes out the one answered least recently
     assert answers.of(20) == {} and set(answers.of(10)) == {second} and len(answers) == 1
+
+
+def test_a_node_not_answered_for_a_while_has_its_answers_dropped() -> None:
+    """A node lost, gone or now heard by another API process does not keep its
+    assignments (decrypted env values among them) until many other nodes push them out."""
+    now = [0.0]
+    answers = heartbeats.Answers(size=100, kept_s=300.0, clock=lambda: now[0])
+    made = heartbeats.Rendered(None, b"{}")  # type: ignore[arg-type]
+    gone, stays = _membership(1), _membership(2)
+    answers.keep(10, {gone: made})
+    answers.keep(20, {stays: made})
+    now[0] = 200.0
+    answers.keep(20, {stays: made})  # node 20 is still heard from; node 10 is not
+    now[0] = 301.0
+    answers.keep(30, {})
+    assert answers.of(10) == {} and set(answers.of(20)) == {stays} and len(answers) == 1
+
+
+def test_what_was_rendered_is_kept_even_when_another_assignment_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One membership whose assignment cannot be made does not cost the node's others a
+    rendering again at every heartbeat."""
+    fine, broken = _membership(1), _membership(2)
+
+    class Made:
+        def model_dump_json(self) -> str:
+            return "{}"
+
+    def assignment_for(held: Membership, *args: Any) -> Made:
+        if held == broken:
+            raise ValueError("cannot be rendered")
+        return Made()
+
+    class Session:
+        def execute(self, stmt: Any) -> list[tuple[int, dict[str, Any]]]:
+            return [(fine.job_id, {}), (broken.job_id, {})]
+
+    monkeypatch.setattr(heartbeats, "assignment_for", assignment_for)
+    monkeypatch.setattr(heartbeats, "parse_stored_spec", lambda stored: None)
+    answers = heartbeats.Answers()
+    body = Heartbeat(running=[{"attempt_id": m.attempt_id} for m in (fine, broken)])
+    with pytest.raises(ValueError, match="cannot be rendered"):
+        heartbeats.reply(
+            7, [(fine, False), (broken, False)], body, None, None, answers, 1.0, Session
+        )  # type: ignore[arg-type]
+    assert set(answers.of(7)) == {fine}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -324,8 +325,9 @@ def test_a_child_stopped_part_way_through_a_message_is_killed_once_silent(
 
 
 def test_without_the_right_to_lower_its_nice_the_reconciler_keeps_it_and_says_so() -> None:
-    """Lowering a nice value needs CAP_SYS_NICE: a controller run as another user keeps
-    its own for the reconciler's process (the job users' ``nobody`` here)."""
+    """Lowering a nice value needs CAP_SYS_NICE: a controller run as another user, at the
+    usual ``RLIMIT_NICE`` of 0, keeps its own for the reconciler's process (the job users'
+    ``nobody`` here)."""
     code = (
         "import logging, os\n"
         "from service.reconciler_process import lower_nice\n"
@@ -339,6 +341,8 @@ def test_without_the_right_to_lower_its_nice_the_reconciler_keeps_it_and_says_so
         env=subprocess_environ(),
         cwd="/",
         user="nobody",
+        # Lowering a limit is allowed to anyone: the usual one, whatever the runner's.
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NICE, (0, 0)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -356,6 +360,7 @@ def test_without_the_right_to_lower_its_nice_the_reconciler_keeps_it_and_says_so
         (25, -5, "runs at nice -5, not -10: RLIMIT_NICE allows no lower"),
         (0, 0, "keeps nice 0: lowering it by 10 needs CAP_SYS_NICE or a higher RLIMIT_NICE"),
         (35, -10, None),  # the limit allows all that is asked: no fallback, nothing said
+        (resource.RLIM_INFINITY, -10, None),
     ],
 )
 def test_without_the_right_the_reconciler_goes_as_low_as_rlimit_nice_allows(
@@ -372,7 +377,7 @@ def test_without_the_right_the_reconciler_goes_as_low_as_rlimit_nice_allows(
     nice = [0]
 
     def setpriority(which: int, who: int, value: int) -> None:
-        if value < 20 - limit:
+        if limit != resource.RLIM_INFINITY and value < 20 - limit:
             raise PermissionError(13, "Permission denied")
         nice[0] = value
 
