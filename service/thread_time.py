@@ -65,8 +65,10 @@ class SpanClock:
     def split(self) -> Split | None:
         wall = time.perf_counter() - self._wall
         running = time.thread_time() - self._cpu
+        if self._waited is None or threading.get_native_id() != self._thread:
+            return None  # no figures, or this thread's CPU time is not the span's thread's
         waited = waited_for_cpu(self._path)
-        if self._waited is None or waited is None or threading.get_native_id() != self._thread:
+        if waited is None:
             return None
         runnable = max(0.0, waited - self._waited)
         return Split(running, runnable, max(0.0, wall - running - runnable))
