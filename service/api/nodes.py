@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import functools
 import math
-from datetime import datetime
 
 import anyio
 from fastapi import APIRouter, Request, Response, status
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
-from sqlalchemy.orm import Session, sessionmaker
 
 from contract.events import SnapshotSaved
 from contract.protocol import (
@@ -39,19 +37,13 @@ from service.api.deps import (
     BearerDep,
     EnrolmentDep,
     FactoryDep,
-    HeartbeatAnswersDep,
-    HeartbeatLaneDep,
+    FleetCall,
+    FleetCallDep,
     IdPath,
-    KeyringDep,
-    LivenessDep,
-    MetricsDep,
     NodeDep,
     NowDep,
     Offset,
-    OneStatementDep,
-    PaceDep,
     PageLimit,
-    ReadFactoryDep,
     ReadSessionDep,
     SettingsDep,
     UserDep,
@@ -61,11 +53,8 @@ from service.api.deps import (
 from service.api.lane import Shed
 from service.db import retry_on_stale, transaction, transaction_if_asked
 from service.errors import Unauthenticated
-from service.heartbeats import Answers, OneStatement, Pace
 from service.models import Node, Role, User
 from service.schemas import NodeGpuPublic, NodePublic, NodesPublic
-from service.secrets import Keyring
-from service.settings import ControllerSettings
 
 router = APIRouter(prefix="/nodes", tags=["nodes"])
 # The least Retry-After of a shed heartbeat: more than an agent's client waits out within
@@ -108,17 +97,7 @@ async def heartbeat(
     node_id: IdPath,
     body: Heartbeat,
     credentials: BearerDep,
-    factory: FactoryDep,
-    read_factory: ReadFactoryDep,
-    settings: SettingsDep,
-    keyring: KeyringDep,
-    answers: HeartbeatAnswersDep,
-    one_statement: OneStatementDep,
-    pace: PaceDep,
-    now: NowDep,
-    lane: HeartbeatLaneDep,
-    liveness: LivenessDep,
-    metrics: MetricsDep,
+    call: FleetCallDep,
     request: Request,
 ) -> Response:
     """Answered on the heartbeats' own threads (``heartbeat_threads``), which reports and
@@ -127,33 +106,20 @@ async def heartbeat(
     heartbeat waited longer than ``heartbeat_wait_max_s`` or its node left meanwhile, and
     was not worked on (``service.api.lane``); its node is still recorded as heard from, in
     a batch written before a later heartbeat's work (``heartbeats.Liveness``)."""
-    answer = functools.partial(
-        _heartbeat,
-        node_id,
-        body,
-        credentials,
-        factory,
-        read_factory,
-        settings,
-        keyring,
-        answers,
-        one_statement,
-        pace,
-        now,
-    )
-    if lane is None:
+    answer = functools.partial(_heartbeat, node_id, body, credentials, call)
+    if call.lane is None:
         return await anyio.to_thread.run_sync(answer)
 
     def flushed_then_answered() -> Response:
-        liveness.flush(factory)
+        call.liveness.flush(call.factory)
         return answer()
 
     try:
-        return await lane.run(request, flushed_then_answered)
+        return await call.lane.run(request, flushed_then_answered)
     except Shed as shed:
-        liveness.note(node_id, credentials.credentials if credentials else None, now)
-        metrics.shed.labels("heartbeat", shed.reason).inc()
-        retry_s = max(math.ceil(pace.last()), SHED_RETRY_AFTER_MIN_S)
+        call.liveness.note(node_id, credentials.credentials if credentials else None, call.now)
+        call.metrics.shed.labels("heartbeat", shed.reason).inc()
+        retry_s = max(math.ceil(call.pace.last()), SHED_RETRY_AFTER_MIN_S)
         return JSONResponse(
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
             content={
@@ -168,14 +134,7 @@ def _heartbeat(
     node_id: int,
     body: Heartbeat,
     credentials: HTTPAuthorizationCredentials | None,
-    factory: sessionmaker[Session],
-    read_factory: sessionmaker[Session],
-    settings: ControllerSettings,
-    keyring: Keyring,
-    answers: Answers,
-    one_statement: OneStatement | None,
-    pace: Pace,
-    now: datetime,
+    call: FleetCall,
 ) -> Response:
     """An ALIVE node's heartbeat with its own token is recorded and its memberships read
     in one statement on PostgreSQL (``heartbeats.OneStatement``), in one transaction of
@@ -186,42 +145,50 @@ def _heartbeat(
     route's is (401, 403) and then recorded the long way (a LOST or LEFT node is ALIVE
     again). The answer's JSON is made of assignments kept as JSON."""
     token = credentials.credentials if credentials is not None else None
-    interval_s = pace.interval()  # before the transaction: it may read on its own
+    interval_s = call.pace.interval()  # before the transaction: it may read on its own
     short_way = token is not None
-    if token is not None and one_statement is not None:
-        found = one_statement(node_id, token, body, now, interval_s)
+    if token is not None and call.one_statement is not None:
+        found = call.one_statement(node_id, token, body, call.now, interval_s)
         if found is not None and not heartbeats.starts_something(found, body):
-            with transaction_if_asked(factory) as session:  # to render a new assignment
+            with transaction_if_asked(call.factory) as session:  # to render a new assignment
                 reply = heartbeats.reply(
-                    node_id, found, body, settings, keyring, answers, interval_s, session
+                    node_id,
+                    found,
+                    body,
+                    call.settings,
+                    call.keyring,
+                    call.answers,
+                    interval_s,
+                    session,
                 )
             return Response(reply, media_type="application/json")
         short_way = found is not None  # recorded; its answer starts something
     if token is not None and short_way:
-        with transaction(factory) as session:
-            if heartbeats.record(session, node_id, token, body, now, interval_s):
+        with transaction(call.factory) as session:
+            if heartbeats.record(session, node_id, token, body, call.now, interval_s):
                 reply = heartbeats.answer(
-                    session, node_id, body, settings, keyring, answers, interval_s, now
+                    session,
+                    node_id,
+                    body,
+                    call.settings,
+                    call.keyring,
+                    call.answers,
+                    interval_s,
+                    call.now,
                 )
                 return Response(reply, media_type="application/json")
-    node = get_node(node_id, read_factory, credentials)
-    with transaction(factory) as session:
-        nodes.record_heartbeat(session, node.id, body, now, interval_s, token=token)
+    node = get_node(node_id, call.read_factory, credentials)
+    with transaction(call.factory) as session:
+        nodes.record_heartbeat(session, node.id, body, call.now, interval_s, token=token)
         reply = heartbeats.answer(
-            session, node.id, body, settings, keyring, answers, interval_s, now
+            session, node.id, body, call.settings, call.keyring, call.answers, interval_s, call.now
         )
     return Response(reply, media_type="application/json")
 
 
 @router.post("/{node_id}/reports", response_model=ReportAccepted)
 def report(
-    node_id: IdPath,
-    body: AttemptReport,
-    credentials: BearerDep,
-    factory: FactoryDep,
-    read_factory: ReadFactoryDep,
-    now: NowDep,
-    metrics: MetricsDep,
+    node_id: IdPath, body: AttemptReport, credentials: BearerDep, call: FleetCallDep
 ) -> ReportAccepted:
     """409 means fenced (stop the attempt); 503 means retry later. The node's token is
     checked in the report's own transaction; a call without it is checked as every node
@@ -229,13 +196,14 @@ def report(
     token = credentials.credentials if credentials is not None else None
     try:
         applied = retry_on_stale(
-            factory, lambda s: reports.handle_report(s, node_id, body, now, token)
+            call.factory, lambda s: reports.handle_report(s, node_id, body, call.now, token)
         )
     except reports.NotTheNodesToken:
-        get_node(node_id, read_factory, credentials)  # 401 or 403, with the reason
+        get_node(node_id, call.read_factory, credentials)  # 401 or 403, with the reason
         raise Unauthenticated("the node token is unknown; register again") from None
     if applied:  # committed: a retried report is counted once
-        metrics.observe_snapshots(e.data for e in body.events if isinstance(e.data, SnapshotSaved))
+        snapshots = (e.data for e in body.events if isinstance(e.data, SnapshotSaved))
+        call.metrics.observe_snapshots(snapshots)
     return ReportAccepted(accepted=True)
 
 
