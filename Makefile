@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint postgres browser slurm bench bench-snapshots bench-status \
-	bench-control-plane bench-reconcile-pass bench-report-cost bench-chaos clean
+	bench-control-plane bench-reconcile-pass bench-report-cost bench-request-cost bench-chaos clean
 
 install: $(VENV)/.installed
 
@@ -81,6 +81,10 @@ bench-reconcile-pass: install postgres
 # commit, e.g. from git worktree) to price that code's reports in the same run.
 bench-report-cost: install postgres
 	$(PY) -m bench.report_cost --jobs 200 --db postgresql
+
+# What a heartbeat and a report cost the API's process, side by side with --baseline-code.
+bench-request-cost: install postgres
+	$(PY) -m bench.request_cost
 
 # Needs root (every node agent in a network namespace of its own).
 bench-chaos: install
