@@ -304,7 +304,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             before = await _scrape(http, metrics_token)
             cpu_before, my_cpu_before = _cpu_split(controller), _cpu(me)
             machine_before, database_before = psutil.cpu_times(), _database_cpu()
-            start = time.monotonic()
+            start, measured_from = time.monotonic(), time.time()
             until[0] = start + options.seconds
             start_beats = (stats.heartbeat_ms, stats.heartbeat_timeouts, start - started)
             stats.reset()
@@ -354,6 +354,9 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         before, after, stats, reads, wall, cpu, my_cpu, rss, submit_s, register_s, options
     )
     result["reconcile"]["measured_over_s"] = metrics_s
+    # When the window began (Unix time): its seconds, as the slowest heartbeats' are
+    # numbered, matched against a server's own logs.
+    result["measured_from"] = measured_from
     result["setup"]["fleet_start"] = fleet_start(*start_beats, options.settle_s)
     result["machine"] = machine
     result["setup"]["registrations"] = vars(registrations)
