@@ -9,14 +9,16 @@ the requests go to them in turn, ``--per-batch`` of one kind to one controller, 
 the next, for ``--batches`` rounds, each code first in every other round. The table gives
 each code's median over the batches of the CPU time per request, with its quartiles, and
 the median over the rounds of the ratio of the two codes' batches of one round (those
-met the same machine), with how many rounds this code's cost less. Each controller runs
+met the same machine), with how many rounds this code's cost less; a second table gives
+the same of the time a request took, as this process sent them one at a time. Each controller runs
 pinned to one core and this process to another, where there are two. ``--baseline-code
 .`` measures this code against itself: the bench's own spread.
 
 Each controller gets a fresh database and the same small fleet, over HTTP: two nodes
 that run one job of two nodes (placed by the controller's reconciler), and a third node
 with nothing to run. The kinds: a heartbeat of the idle node; a heartbeat of a node that
-runs its assignment; a progress report with a log line, as a worker's node sends them.
+runs its assignment; a progress report with a log line, as a worker's node sends them; a
+key set in the job's rendezvous store, as torch's elastic agent sets its keys.
 
     python -m bench.request_cost
     python -m bench.request_cost --baseline-code /tmp/base --batches 30 --per-batch 200
@@ -41,6 +43,7 @@ import httpx
 import psutil
 
 from bench.reconcile_pass import database
+from contract.rendezvous import MEMBER_HEADER
 from service.local_cluster import LocalCluster, free_port
 
 API = "/api/v1"
@@ -48,6 +51,7 @@ KINDS = (
     "heartbeat, a node with nothing to run",
     "heartbeat, a node that runs its assignment",
     "progress report with a log line",
+    "rendezvous store: set a key",
 )
 
 
@@ -61,8 +65,12 @@ class Fleet:
         spec = {"name": "cost", "task": {"name": "regression"}, "nnodes": "2"}
         admin = {"authorization": f"Bearer {cluster.admin_token}"}
         self.http.post(f"{API}/jobs", json=spec, headers=admin).raise_for_status()
+        self.rdzv_id = ""  # the job's rendezvous, once placed
         held = self._placed(nodes)
         (self.runner, self.attempt_id, member_id), idle = held[0], nodes[2]
+        store = f"{API}/rendezvous/{self.rdzv_id}/store/set"
+        as_member = {**self.runner[1], MEMBER_HEADER: str(member_id)}
+        key = {"items": [{"key": "cost", "value": "AA=="}]}
         self._report_to_start(held)
         self.step = 0
         # Both members heartbeat in turn, so that neither is lost while the other reports.
@@ -71,6 +79,7 @@ class Fleet:
             KINDS[0]: lambda: self._beat(idle, []),
             KINDS[1]: lambda: self._beat(next(members), [self.attempt_id]),
             KINDS[2]: lambda: self._progress(member_id),
+            KINDS[3]: lambda: self.http.post(store, json=key, headers=as_member),
         }
 
     def _register(self, name: str) -> tuple[int, dict[str, str]]:
@@ -95,6 +104,7 @@ class Fleet:
             for node in nodes:
                 for assignment in self._beat(node, []).json()["assignments"]:
                     held.append((node, assignment["attempt_id"], assignment["member_id"]))
+                    self.rdzv_id = assignment["rendezvous"]["rdzv_id"]
             if len(held) == 2:
                 return sorted(held, key=lambda h: h[2])
             time.sleep(0.2)
@@ -145,6 +155,8 @@ def controller(code: Path, db: str, work: Path) -> Iterator[LocalCluster]:
             "PYTHONPATH": str(code),
             "RELAUNCH_RECONCILER_PROCESS": "true",
             "RELAUNCH_API_PROCESSES": "1",
+            # The fleet is silent between its batches, seconds long: none of it is lost.
+            "RELAUNCH_NODE_TIMEOUT_S": "600",
             **{f"RELAUNCH_{k.upper()}": v for k, v in url.items()},
         }
         (work / "controller").mkdir(mode=0o700)
@@ -161,16 +173,26 @@ def controller(code: Path, db: str, work: Path) -> Iterator[LocalCluster]:
             cluster.stop_all()
 
 
+def _answered(response: httpx.Response) -> None:
+    if not response.is_success:
+        raise SystemExit(f"{response.request.url.path}: {response.status_code} {response.text}")
+
+
 def _cpu_s(process: psutil.Process) -> float:
     times = process.cpu_times()
     return float(times.user + times.system)
 
 
+Figures = dict[str, dict[str, list[float]]]  # by code, by kind: one figure a batch
+
+
 def measure(
     codes: list[tuple[str, Path]], db: str, batches: int, per_batch: int
-) -> dict[str, dict[str, list[float]]]:
-    """Per code and kind, the API process's CPU ms per request of each batch."""
-    costs: dict[str, dict[str, list[float]]] = {name: {k: [] for k in KINDS} for name, _ in codes}
+) -> tuple[Figures, Figures]:
+    """Per code and kind, of each batch: the API process's CPU ms per request, and the ms
+    a request took as this process waited for it (one at a time)."""
+    costs: Figures = {name: {k: [] for k in KINDS} for name, _ in codes}
+    waits: Figures = {name: {k: [] for k in KINDS} for name, _ in codes}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         fleets = []
         for i, (name, code) in enumerate(codes):
@@ -189,17 +211,19 @@ def measure(
         for _, _, fleet in fleets:  # warm: each route's first call builds what it keeps
             for request in fleet.requests.values():
                 for _ in range(50):
-                    request().raise_for_status()
+                    _answered(request())
         for batch in range(batches):
             # Each code goes first in every other round: what one leaves behind (the
             # database's work after a burst) is not always met by the same code.
             for name, process, fleet in fleets if batch % 2 == 0 else reversed(fleets):
                 for kind, request in fleet.requests.items():
-                    before = _cpu_s(process)
+                    before, started = _cpu_s(process), time.perf_counter()
                     for _ in range(per_batch):
-                        request().raise_for_status()
+                        _answered(request())
+                    took = time.perf_counter() - started
                     costs[name][kind].append((_cpu_s(process) - before) * 1000 / per_batch)
-    return costs
+                    waits[name][kind].append(took * 1000 / per_batch)
+    return costs, waits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,24 +237,29 @@ def main(argv: list[str] | None = None) -> None:
     codes = [("this code", Path(__file__).resolve().parent.parent)]
     if args.baseline_code is not None:
         codes.append(("baseline", args.baseline_code.resolve()))
-    costs = measure(codes, args.db, args.batches, args.per_batch)
-    _print(args, codes, costs)
+    costs, waits = measure(codes, args.db, args.batches, args.per_batch)
+    batches = f"median of {args.batches} batches of {args.per_batch} (quartiles)"
+    _print(f"CPU ms of the API's process per request, {args.db}: {batches}", codes, costs)
+    _print(f"ms a request took, one at a time, {args.db}: {batches}", codes, waits)
+    for name, code in codes:
+        print(f"{name}: {code}")
     if args.json is not None:
         results = {
-            name: {"code": str(code), "cpu_ms_per_request_by_batch": costs[name]}
+            name: {
+                "code": str(code),
+                "cpu_ms_per_request_by_batch": costs[name],
+                "wall_ms_per_request_by_batch": waits[name],
+            }
             for name, code in codes
         }
         args.json.write_text(json.dumps(results, indent=2))
 
 
-def _print(args: argparse.Namespace, codes: list[tuple[str, Path]], costs: dict[str, Any]) -> None:
+def _print(title: str, codes: list[tuple[str, Path]], figures: Figures) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"CPU ms of the API's process per request, {args.db}: median of {args.batches} "
-        f"batches of {args.per_batch} (quartiles)"
-    )
+    table = Table(title=title)
     table.add_column("request")
     for name, _ in codes:
         table.add_column(name, justify="right")
@@ -239,17 +268,15 @@ def _print(args: argparse.Namespace, codes: list[tuple[str, Path]], costs: dict[
     for kind in KINDS:
         cells = [kind]
         for name, _ in codes:
-            q1, median, q3 = statistics.quantiles(costs[name][kind], n=4)
+            q1, median, q3 = statistics.quantiles(figures[name][kind], n=4)
             cells.append(f"{median:.2f} ({q1:.2f} to {q3:.2f})")
         if len(codes) == 2:
-            ratios = [a / b for a, b in zip(*(costs[name][kind] for name, _ in codes), strict=True)]
+            pairs = zip(*(figures[name][kind] for name, _ in codes), strict=True)
+            ratios = [a / b for a, b in pairs]
             below = sum(r < 1 for r in ratios)
             cells.append(f"{statistics.median(ratios):.2f} ({below} of {len(ratios)})")
         table.add_row(*cells)
-    console = Console(width=120)
-    console.print(table)
-    for name, code in codes:
-        console.print(f"{name}: {code}")
+    Console(width=120).print(table)
 
 
 if __name__ == "__main__":

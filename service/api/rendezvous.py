@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Depends, Header, Path, Query
+from fastapi import APIRouter, Depends, Header, Path, Query, Response
 from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.rendezvous import (
@@ -72,7 +73,7 @@ class Caller:
         )
 
 
-def _caller(
+async def _caller(
     node: CallingNodeDep,
     member: Annotated[
         int | None,
@@ -88,6 +89,13 @@ def _caller(
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]
+
+
+def _answer(model: BaseModel) -> Response:
+    """``model``'s JSON, as a sync route returns it: returned as the model, FastAPI would
+    validate and serialize it on a second trip to a worker thread after the route's own
+    (a report answers the same way, ``service.api.nodes``)."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def _write(
@@ -145,7 +153,7 @@ async def get_state(
 @router.post("/{rdzv_id}/state", response_model=RendezvousState)
 def set_state(
     rdzv_id: RdzvId, body: SetRendezvousState, caller: CallerDep, factory: FactoryDep
-) -> RendezvousState:
+) -> Response:
     """Write the state if ``version`` is the stored one (compare-and-set); answer with
     the state stored now, and whether this call wrote it."""
     blob = decode(body.state)
@@ -155,22 +163,22 @@ def set_state(
         return reply, rendezvous.member_count(session, attempt_id)
 
     reply, members = _write(factory, rdzv_id, caller, write)
-    return RendezvousState(
-        state=None if reply.state is None else encode(reply.state),
-        version=reply.version,
-        written=reply.written,
-        members=members,
+    return _answer(
+        RendezvousState(
+            state=None if reply.state is None else encode(reply.state),
+            version=reply.version,
+            written=reply.written,
+            members=members,
+        )
     )
 
 
 @router.post("/{rdzv_id}/store/set", response_model=StoreCount)
-def store_set(
-    rdzv_id: RdzvId, body: StoreSet, caller: CallerDep, factory: FactoryDep
-) -> StoreCount:
+def store_set(rdzv_id: RdzvId, body: StoreSet, caller: CallerDep, factory: FactoryDep) -> Response:
     """Set each key; answers how many were set."""
     items = {item.key: decode(item.value) for item in body.items}
     _write(factory, rdzv_id, caller, lambda s, a: rendezvous.set_values(s, a, items))
-    return StoreCount(value=len(items))
+    return _answer(StoreCount(value=len(items)))
 
 
 @router.post("/{rdzv_id}/store/get", response_model=StoreValues)
@@ -197,19 +205,17 @@ async def store_get(
 
 
 @router.post("/{rdzv_id}/store/add", response_model=StoreCount)
-def store_add(
-    rdzv_id: RdzvId, body: StoreAdd, caller: CallerDep, factory: FactoryDep
-) -> StoreCount:
+def store_add(rdzv_id: RdzvId, body: StoreAdd, caller: CallerDep, factory: FactoryDep) -> Response:
     count = _write(
         factory, rdzv_id, caller, lambda s, a: rendezvous.add(s, a, body.key, body.amount)
     )
-    return StoreCount(value=count)
+    return _answer(StoreCount(value=count))
 
 
 @router.post("/{rdzv_id}/store/compare_set", response_model=StoreValue)
 def store_compare_set(
     rdzv_id: RdzvId, body: StoreCompareSet, caller: CallerDep, factory: FactoryDep
-) -> StoreValue:
+) -> Response:
     expected, desired = decode(body.expected), decode(body.desired)
     value = _write(
         factory,
@@ -217,22 +223,22 @@ def store_compare_set(
         caller,
         lambda s, a: rendezvous.compare_set(s, a, body.key, expected, desired),
     )
-    return StoreValue(value=encode(value))
+    return _answer(StoreValue(value=encode(value)))
 
 
 @router.post("/{rdzv_id}/store/delete_key", response_model=StoreDeleted)
 def store_delete_key(
     rdzv_id: RdzvId, body: StoreKey, caller: CallerDep, factory: FactoryDep
-) -> StoreDeleted:
+) -> Response:
     deleted = _write(factory, rdzv_id, caller, lambda s, a: rendezvous.delete_key(s, a, body.key))
-    return StoreDeleted(deleted=deleted)
+    return _answer(StoreDeleted(deleted=deleted))
 
 
 @router.get("/{rdzv_id}/store/num_keys", response_model=StoreCount)
-def store_num_keys(rdzv_id: RdzvId, caller: CallerDep, factory: ReadFactoryDep) -> StoreCount:
+def store_num_keys(rdzv_id: RdzvId, caller: CallerDep, factory: ReadFactoryDep) -> Response:
     with transaction(factory) as session:
         count = rendezvous.num_keys(session, caller.attempt(session, rdzv_id))
-    return StoreCount(value=count)
+    return _answer(StoreCount(value=count))
 
 
 @workers.post("/jobs/{job_id}/snapshot-writer", response_model=SnapshotWriter)
