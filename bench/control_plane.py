@@ -311,7 +311,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             rss: list[int] = []
             running: list[int] = []
             latest: list[tuple[float, Samples]] = []
-            lags: list[float] = []
+            lags: list[tuple[float, float]] = []
             own_gc = _OwnCollections()  # this process's collections while it measures
             with own_gc.installed():
                 reads, *_ = await asyncio.gather(
@@ -363,10 +363,14 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
     result["offered"] = offered(stats, running, wall)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     result["code"] = {"root": str(CODE_ROOT), "processes_by_root": code}
+    late_ms = [lag for _, lag in lags]
+    result["heartbeat"]["tail"]["during_own_stalls"] = during_stalls(
+        stats.heartbeat_sent, result["heartbeat"]["p99_ms"], lags
+    )
     result["bench_loop"] = {
-        "lag_p99_ms": quantile(lags, 0.99),
-        "lag_max_ms": max(lags, default=float("nan")),
-        "stalls_over_50_ms": sum(lag > 50 for lag in lags),
+        "lag_p99_ms": quantile(late_ms, 0.99),
+        "lag_max_ms": max(late_ms, default=float("nan")),
+        "stalls_over_50_ms": sum(lag > STALL_MS for lag in late_ms),
         "collections": len(own_gc.pauses_ms),
         "collections_ms": sum(own_gc.pauses_ms),
         "collection_max_ms": max(own_gc.pauses_ms, default=0.0),
@@ -375,6 +379,8 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
 
 
 LAG_TICK_S = 0.01
+# A tick of this process's loop woken later than this (ms) is a stall.
+STALL_MS = 50.0
 
 
 def _hold_collector() -> None:
@@ -389,13 +395,30 @@ def _hold_collector() -> None:
     gc.disable()
 
 
-async def _sample_lag(until: float, lags: list[float]) -> None:
-    """How late this process's event loop wakes a sleep of ``LAG_TICK_S`` (ms), until
-    ``until``: its simulated nodes send and read nothing while it is late."""
+async def _sample_lag(until: float, lags: list[tuple[float, float]]) -> None:
+    """When this process's event loop woke a sleep of ``LAG_TICK_S`` (``time.monotonic``)
+    and how late (ms), until ``until``: its simulated nodes send and read nothing while it
+    is late."""
     while time.monotonic() < until:
         asked = time.perf_counter()
         await asyncio.sleep(LAG_TICK_S)
-        lags.append((time.perf_counter() - asked - LAG_TICK_S) * 1000)
+        lags.append((time.monotonic(), (time.perf_counter() - asked - LAG_TICK_S) * 1000))
+
+
+def during_stalls(
+    beats: list[tuple[float, float]], p99_ms: float, lags: list[tuple[float, float]]
+) -> int:
+    """How many of the slowest hundredth of the heartbeats (``beats``: when each was sent,
+    ``time.monotonic``, and its ms; at or above ``p99_ms``) were under way while this
+    process's own event loop stalled (``lags``: a tick woken over ``STALL_MS`` late, and
+    when). This process is not the controller: a stall of its own is the machine's, which
+    the controller's processes meet as well."""
+    stalls = [(woke - lag / 1000, woke) for woke, lag in lags if lag > STALL_MS]
+    return sum(
+        any(start < sent + ms / 1000 and end > sent for start, end in stalls)
+        for sent, ms in beats
+        if ms >= p99_ms
+    )
 
 
 class _OwnCollections(CollectionTimer):
@@ -1090,6 +1113,12 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{tail['per_second']['max']:.0f}, median {tail['per_second']['p50']:.0f})"
                 if tail.get("per_second")
                 else "seconds"
+            )
+            + (
+                f"; {tail['during_own_stalls']} of them under way while this process's own "
+                f"loop stalled (a tick over {STALL_MS:.0f} ms late)"
+                if "during_own_stalls" in tail
+                else ""
             )
             + "; the worst seconds: "
             + "; ".join(

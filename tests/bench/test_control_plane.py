@@ -17,6 +17,7 @@ from bench.control_plane import (
     CODE_ROOT,
     Options,
     _by_label,
+    during_stalls,
     histogram_quantile,
     poll,
     print_table,
@@ -240,3 +241,20 @@ def test_a_histogram_is_read_by_label_with_only_the_labels_that_have_samples() -
     means, p99s = _by_label(before, after, name, "state", ("running", "blocked"))
     assert means == {"running": pytest.approx(25.0)}  # 0.1 s over 4 passes
     assert list(p99s) == ["running"] and 25.0 < p99s["running"] <= 50.0
+
+
+def test_a_slow_heartbeat_is_counted_with_a_stall_of_the_bench_it_overlapped() -> None:
+    # Slow ones (>= 100 ms): sent at 10.0 (to 10.3), at 20.0 (to 20.2), at 30.0 (to 30.1).
+    beats = [(10.0, 300.0), (20.0, 200.0), (30.0, 100.0), (10.1, 5.0)]
+    lags = [
+        (10.25, 80.0),  # stalled from 10.17 to 10.25: within the first
+        (19.9, 60.0),  # from 19.84 to 19.9: ended before the second was sent
+        (30.2, 20.0),  # late, but not a stall
+        (30.05, 40.0),  # nor this one
+    ]
+    assert during_stalls(beats, 100.0, lags) == 1
+    # A stall that began before a heartbeat was sent and ended while it waited counts.
+    assert during_stalls(beats, 100.0, [(20.05, 100.0)]) == 1
+    # The fast heartbeat under way in the first stall is not one of the slowest.
+    assert during_stalls(beats, 1000.0, lags) == 0
+    assert during_stalls([], 100.0, lags) == 0
