@@ -272,9 +272,11 @@ def _print(title: str, codes: list[tuple[str, Path]], figures: Figures) -> None:
             cells.append(f"{median:.2f} ({q1:.2f} to {q3:.2f})")
         if len(codes) == 2:
             pairs = zip(*(figures[name][kind] for name, _ in codes), strict=True)
-            ratios = [a / b for a, b in pairs]
+            # A batch too short for the clock's tick (10 ms) can read no CPU time at all.
+            ratios = [a / b for a, b in pairs if b > 0]
             below = sum(r < 1 for r in ratios)
-            cells.append(f"{statistics.median(ratios):.2f} ({below} of {len(ratios)})")
+            middle = f"{statistics.median(ratios):.2f}" if ratios else "-"
+            cells.append(f"{middle} ({below} of {len(ratios)})")
         table.add_row(*cells)
     Console(width=120).print(table)
 

@@ -18,7 +18,7 @@ def test_the_bench_prices_each_kind_of_request_against_a_baseline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "costs.json"
-    small = ["--db", "sqlite", "--batches", "2", "--per-batch", "5"]
+    small = ["--db", "sqlite", "--batches", "2", "--per-batch", "20"]
     request_cost.main([*small, "--baseline-code", str(ROOT), "--json", str(out)])
     printed = capsys.readouterr().out
     assert "this / baseline" in printed, printed
