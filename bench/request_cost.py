@@ -10,9 +10,9 @@ the next, for ``--batches`` rounds, each code first in every other round. The ta
 each code's median over the batches of the CPU time per request, with its quartiles, and
 the median over the rounds of the ratio of the two codes' batches of one round (those
 met the same machine), with how many rounds this code's cost less; a second table gives
-the same of the time a request took, as this process sent them one at a time. Each controller runs
-pinned to one core and this process to another, where there are two. ``--baseline-code
-.`` measures this code against itself: the bench's own spread.
+the same of the time a request took, as this process sent them one at a time. Each
+controller runs pinned to one core and this process to another, where there are two.
+``--baseline-code .`` measures this code against itself: the bench's own spread.
 
 Each controller gets a fresh database and the same small fleet, over HTTP: two nodes
 that run one job of two nodes (placed by the controller's reconciler), and a third node
@@ -37,12 +37,19 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 
 from bench.reconcile_pass import database
+from contract.events import (
+    EventData,
+    RendezvousComplete,
+    TrainingProgress,
+    TrainingStarted,
+    runtime_event,
+)
+from contract.protocol import AttemptReport, LogLine
 from contract.rendezvous import MEMBER_HEADER
 from service.local_cluster import LocalCluster, free_port
 
@@ -113,17 +120,17 @@ class Fleet:
     def _report_to_start(self, held: list[tuple[tuple[int, dict[str, str]], int, int]]) -> None:
         """Both nodes' rendezvous, and the training's start: the job is RUNNING."""
         for rank, (node, attempt_id, member) in enumerate(held):
-            events: list[dict[str, Any]] = [
-                _event("rendezvous", world_size=2, group_rank=rank, group_world_size=2)
+            events: list[EventData] = [
+                RendezvousComplete(world_size=2, group_rank=rank, group_world_size=2)
             ]
             if rank == 0:
-                events.append(_event("started", world_size=2, restart_count=0))
+                events.append(TrainingStarted(world_size=2, restart_count=0))
             self._send(node, attempt_id, member, events, []).raise_for_status()
 
     def _progress(self, member_id: int) -> httpx.Response:
         self.step += 1
-        progress = _event("progress", step=self.step, loss=0.5, world_size=2, samples_per_s=64.0)
-        line = {"time": _now(), "line": f"step {self.step}"}
+        progress = TrainingProgress(step=self.step, loss=0.5, world_size=2, samples_per_s=64.0)
+        line = LogLine(time=datetime.now(UTC), line=f"step {self.step}")
         return self._send(self.runner, self.attempt_id, member_id, [progress], [line])
 
     def _send(
@@ -131,19 +138,19 @@ class Fleet:
         node: tuple[int, dict[str, str]],
         attempt_id: int,
         member_id: int,
-        events: list[dict[str, Any]],
-        logs: list[dict[str, Any]],
+        events: list[EventData],
+        logs: list[LogLine],
     ) -> httpx.Response:
-        body = {"attempt_id": attempt_id, "member_id": member_id, "events": events, "logs": logs}
-        return self.http.post(f"{API}/nodes/{node[0]}/reports", json=body, headers=node[1])
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-def _event(kind: str, **data: Any) -> dict[str, Any]:
-    return {"time": _now(), "kind": kind, "data": data}
+        """A report of ``events`` and ``logs``, as an agent sends it (``contract``)."""
+        body = AttemptReport(
+            attempt_id=attempt_id,
+            member_id=member_id,
+            events=[runtime_event(e) for e in events],
+            logs=logs,
+        )
+        return self.http.post(
+            f"{API}/nodes/{node[0]}/reports", json=body.model_dump(mode="json"), headers=node[1]
+        )
 
 
 @contextlib.contextmanager
