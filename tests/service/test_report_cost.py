@@ -1,7 +1,8 @@
 """A report reads its node, its attempt and the node's membership of it in one statement
 before it takes its job's lock; it used to take three round trips, which under load each
 wait for the server and then for the interpreter lock. A progress report that puts nothing
-on the timeline does not ask when the attempt's members last changed."""
+on the timeline does not ask when the attempt's members last changed, reads no whole rows
+and takes no lock on its job before its last statement."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 from service.reconciler import Reconciler
 from tests.service.helpers import (
     Cluster,
+    bearer,
     event,
     heartbeat,
+    job,
     kinds,
     register,
     report,
@@ -36,12 +39,13 @@ def test_a_report_reads_its_node_attempt_and_membership_in_one_statement(
     node_id, _, assignment = at_work(api, reconciler)
     attempt_id = assignment["attempt_id"]
 
+    # a snapshot's failure goes on the timeline: the general path, which locks the job
+    failed = event("snapshot_failed", step=4, error="disk full")
     with statements(engine_of(api)) as sent:
-        r = report(api, node_id, attempt_id, member_id=assignment["member_id"])
+        r = report(api, node_id, attempt_id, member_id=assignment["member_id"], events=[failed])
         assert r.status_code == 200, r.text
     work = [" ".join(s.split()) for s in sent if not s.startswith("BEGIN")]
-    assert len(work) == 2, work
-    reporter, job = work
+    reporter, job, *_ = work
     assert "FROM nodes LEFT OUTER JOIN attempts" in reporter, reporter
     assert "LEFT OUTER JOIN attempt_members" in reporter, reporter
     assert job.startswith("SELECT jobs.id"), job
@@ -103,21 +107,70 @@ def _work(sent: list[str]) -> list[str]:
 
 
 def test_a_progress_report_writes_each_row_once(api: Cluster, reconciler: Reconciler) -> None:
-    """Its reads, the job's lock, then one statement for each row it writes: its log
-    line, its progress, and the job's last step, nothing more."""
-    node_id, _, assignment = at_work(api, reconciler)
-    progress = event("progress", step=3, epoch=0, loss=0.25, samples_per_s=1.0, world_size=1)
-    line = {"time": progress["time"], "line": "step 3"}
+    """One read of the columns its fencing checks, then one statement for each row it
+    writes: its log lines, its progress, and last the job's last step, the one write
+    that locks the job's row (held only until the commit), nothing more."""
+    node_id, job_id, assignment = at_work(api, reconciler)
+    progress = [
+        event("progress", step=step, epoch=0, loss=1 / step, samples_per_s=1.0, world_size=1)
+        for step in (3, 4)
+    ]
+    lines = [{"time": progress[0]["time"], "line": f"step {step}"} for step in (3, 4)]
 
     with statements(engine_of(api)) as sent:
-        r = report(api, node_id, assignment["attempt_id"], events=[progress], logs=[line])
+        r = report(api, node_id, assignment["attempt_id"], events=progress, logs=lines)
         assert r.status_code == 200, r.text
-    writes = [w for w in _work(sent) if not w.startswith("SELECT")]
-    assert sorted(w.split(" (")[0].split(" SET ")[0] for w in writes) == [
+    read, *writes = _work(sent)
+    assert read.startswith("SELECT nodes.token_hash, attempts.job_id, attempts.state"), read
+    assert "FOR UPDATE" not in read, read
+    assert [w.split(" (")[0].split(" SET ")[0] for w in writes] == [
         "INSERT INTO log_lines",
         "INSERT INTO metrics",
         "UPDATE jobs",
     ], writes
+    detail = job(api, job_id)
+    assert (detail["last_step"], detail["last_loss"]) == (4, 0.25), detail
+    logged = api.get(f"/api/v1/jobs/{job_id}/logs").json()
+    assert [line["line"] for line in logged["items"]][-2:] == ["step 3", "step 4"], logged
+
+
+def test_a_progress_report_on_an_attempt_that_is_over_is_fenced_and_writes_nothing(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    """The lean path's fencing refuses as the general path does: 409 with the reason, and
+    neither its line nor its progress is kept."""
+    node_id, job_id, assignment = at_work(api, reconciler)
+    assert api.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 200
+    reconciler.run_once()
+    progress = event("progress", step=9, epoch=0, loss=0.5, samples_per_s=1.0, world_size=1)
+    line = {"time": progress["time"], "line": "after the end"}
+
+    r = report(api, node_id, assignment["attempt_id"], events=[progress], logs=[line])
+    assert r.status_code == 409, r.text
+    assert r.json()["reason"] == "cancelled", r.json()
+    assert job(api, job_id)["last_step"] is None
+    logged = api.get(f"/api/v1/jobs/{job_id}/logs").json()
+    assert "after the end" not in [line["line"] for line in logged["items"]], logged
+
+
+def test_a_progress_report_with_another_node_s_token_is_refused(
+    api: Cluster, reconciler: Reconciler
+) -> None:
+    node_id, job_id, assignment = at_work(api, reconciler)
+    other = register(api, "b")
+    progress = event("progress", step=2, epoch=0, loss=0.5, samples_per_s=1.0, world_size=1)
+
+    body = {"attempt_id": assignment["attempt_id"], "events": [progress]}
+    theirs = bearer(api.node_tokens[other])
+
+    r = api.post(f"/api/v1/nodes/{node_id}/reports", json=body, headers=theirs)
+    assert r.status_code == 403, r.text
+    r = api.post(f"/api/v1/nodes/{other}/reports", json=body)
+    assert r.status_code == 409, r.text  # b's own token, but b is no member of the attempt
+    assert job(api, job_id)["last_step"] is None
+    r = report(api, node_id, assignment["attempt_id"], events=[progress])
+    assert r.status_code == 200, r.text
+    assert job(api, job_id)["last_step"] == 2
 
 
 def test_a_rendezvous_that_changes_no_world_size_writes_only_the_node_s_round(
