@@ -113,13 +113,18 @@ def _progress_only(report: AttemptReport) -> bool:
 def _apply_progress(
     session: Session, node_id: int, report: AttemptReport, token: str | None
 ) -> bool:
-    """Apply a ``_progress_only`` report with plain statements: one read of the columns the
-    fencing needs, the rows it adds, and last the job's progress, whose UPDATE is the one
-    write that locks the job's row, held only until the commit. The general path reads
-    the node, attempt, membership and job as ORM rows and locks the job before it
-    writes: twice the CPU, and a report queued behind another of the same job for all
-    of the other's transaction. False, having written nothing, if the node may not report
-    on the attempt: the general path says why (``Fenced``)."""
+    """Apply a ``_progress_only`` report with plain statements: one read of the columns its
+    fencing checks, then the job's last step and loss, its metrics and its log lines. The
+    general path reads the node, attempt, membership and job as ORM rows, and holds the
+    job's row locked (``SELECT ... FOR UPDATE``) through all of that Python until its
+    commit, so that a job's reports queued behind each other. Here the job's UPDATE
+    takes the weaker lock that an UPDATE takes, which lets others' inserts that refer to
+    the job go on, and holds it only for the inserts that follow. It comes first, as the
+    general path's lock does, so that the rows this transaction locks are locked in the
+    same order as before: the inserts' foreign-key checks lock the attempt's and the
+    node's rows for share, and taking those before the job's could deadlock with a
+    transaction that locks the job and then a node. False, having written nothing, if
+    the node may not report on the attempt: the general path says why (``Fenced``)."""
     params = {"node_id": node_id, "attempt_id": report.attempt_id}
     if report.member_id is None:
         row = session.execute(_FENCING_NEWEST, params).first()
@@ -130,15 +135,15 @@ def _apply_progress(
     live = row.attempt_state is AttemptState.RUNNING and row.member_state is MemberState.ACTIVE
     if not live:
         return False
-    _store_logs(session, row.job_id, report.attempt_id, node_id, report)
     # every event, as _progress_only found (the test narrows their type)
     progress = [(e.time, e.data) for e in report.events if isinstance(e.data, TrainingProgress)]
-    if not progress:
-        return True
-    metrics = [_metric_row(row.job_id, report.attempt_id, time, data) for time, data in progress]
-    session.execute(_INSERT_METRIC, metrics)
-    last = progress[-1][1]
-    session.execute(_SET_PROGRESS, {"job_id": row.job_id, "step": last.step, "loss": last.loss})
+    if progress:
+        last = progress[-1][1]
+        step = {"job_id": row.job_id, "step": last.step, "loss": last.loss}
+        session.execute(_SET_PROGRESS, step)
+        metrics = [_metric_row(row.job_id, report.attempt_id, t, data) for t, data in progress]
+        session.execute(_INSERT_METRIC, metrics)
+    _store_logs(session, row.job_id, report.attempt_id, node_id, report)
     return True
 
 

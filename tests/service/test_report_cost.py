@@ -107,9 +107,9 @@ def _work(sent: list[str]) -> list[str]:
 
 
 def test_a_progress_report_writes_each_row_once(api: Cluster, reconciler: Reconciler) -> None:
-    """One read of the columns its fencing checks, then one statement for each row it
-    writes: its log lines, its progress, and last the job's last step, the one write
-    that locks the job's row (held only until the commit), nothing more."""
+    """One read of the columns its fencing checks, then one statement for each table it
+    writes: first the job's last step (its row locked by an UPDATE, as the general path
+    locks it before its inserts), then its progress and its log lines, nothing more."""
     node_id, job_id, assignment = at_work(api, reconciler)
     progress = [
         event("progress", step=step, epoch=0, loss=1 / step, samples_per_s=1.0, world_size=1)
@@ -124,9 +124,9 @@ def test_a_progress_report_writes_each_row_once(api: Cluster, reconciler: Reconc
     assert read.startswith("SELECT nodes.token_hash, attempts.job_id, attempts.state"), read
     assert "FOR UPDATE" not in read, read
     assert [w.split(" (")[0].split(" SET ")[0] for w in writes] == [
-        "INSERT INTO log_lines",
-        "INSERT INTO metrics",
         "UPDATE jobs",
+        "INSERT INTO metrics",
+        "INSERT INTO log_lines",
     ], writes
     detail = job(api, job_id)
     assert (detail["last_step"], detail["last_loss"]) == (4, 0.25), detail
