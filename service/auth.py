@@ -17,12 +17,13 @@ import secrets
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NoReturn
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, make_transient_to_detached, sessionmaker
 
-from service.errors import Conflict, NotFound
+from service.errors import Conflict, Forbidden, NotFound, Unauthenticated
 from service.models import ApiToken, Node, Role, User
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,14 @@ def node_for_token(session: Session, token: str) -> Node | None:
     if not token.startswith(NODE_TOKEN_PREFIX):
         return None
     return session.scalars(select(Node).where(Node.token_hash == token_hash(token))).one_or_none()
+
+
+def refuse_as_node(session: Session, token: str) -> NoReturn:
+    """Refuse a call made with ``token`` where a node's token was needed and it is none:
+    Forbidden for a user's token, Unauthenticated for any other."""
+    if user_for_token(session, token) is not None:
+        raise Forbidden("a user's token cannot act as a node")
+    raise Unauthenticated("the node token is unknown; register again")
 
 
 def issue_node_token(session: Session, node: Node) -> str:

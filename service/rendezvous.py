@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Select, and_, bindparam, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service import auth
 from service.errors import Conflict, Forbidden, NotFound, StaleState, TooLarge
-from service.models import Attempt, AttemptMember, RendezvousKey, RendezvousState
+from service.models import Attempt, AttemptMember, Node, RendezvousKey, RendezvousState
 from service.states import AttemptState, MemberState
 
 logger = logging.getLogger(__name__)
@@ -53,35 +55,34 @@ class StateReply:
 def member_attempt(
     session: Session,
     rdzv_id: str,
-    node_id: int,
+    token: str,
     *,
     member_id: int | None = None,
     lock: bool = False,
 ) -> int:
-    """The id of the attempt ``rdzv_id`` if ``node_id`` may use its rendezvous now.
+    """The id of the attempt ``rdzv_id`` if the node whose token is ``token`` may use its
+    rendezvous now, checked in one statement: the token, the attempt and the membership.
 
-    ``NotFound`` for an unknown rendezvous id; ``Forbidden`` unless the node has an
-    ACTIVE membership of it (a node being placed or joining in place has one) and
-    the attempt is RUNNING; with ``member_id``, that membership must be this one
-    (a launcher of the node's ended membership is refused). With ``lock`` the
-    attempt row is share-locked until the transaction ends, so it cannot end (and be
-    cleaned up) under a write.
+    Unauthenticated (401) or Forbidden (403) for a token that is no node's, as every node
+    route answers it (``auth.refuse_as_node``); ``NotFound`` for an unknown rendezvous
+    id; ``Forbidden`` unless the node has an ACTIVE membership of it (a node being
+    placed or joining in place has one) and the attempt is RUNNING; with ``member_id``,
+    that membership must be this one (a launcher of the node's ended membership is
+    refused). With ``lock`` the attempt row is share-locked until the transaction ends,
+    so it cannot end (and be cleaned up) under a write. The token used to be checked in
+    a transaction of its own, on a worker thread of its own, before the route's.
     """
-    stmt = select(Attempt.id, Attempt.state).where(Attempt.rdzv_id == rdzv_id)
-    if lock:
-        stmt = stmt.with_for_update(read=True)
-    row = session.execute(stmt).one_or_none()
-    if row is None:
+    row = None
+    if token.startswith(auth.NODE_TOKEN_PREFIX):
+        params: dict[str, Any] = {"rdzv_id": rdzv_id, "token_hash": auth.token_hash(token)}
+        if member_id is not None:
+            params["member_id"] = member_id
+        row = session.execute(_CALLER[member_id is not None, lock], params).first()
+    if row is None:  # which of the two it is: the token's refusal comes first
+        if auth.node_for_token(session, token) is None:
+            auth.refuse_as_node(session, token)
         raise NotFound(f"no attempt has rendezvous id {rdzv_id!r}")
-    attempt_id, state = row
-    query = select(AttemptMember.id).where(
-        AttemptMember.attempt_id == attempt_id,
-        AttemptMember.node_id == node_id,
-        AttemptMember.state == MemberState.ACTIVE,
-    )
-    if member_id is not None:
-        query = query.where(AttemptMember.id == member_id)
-    member = session.scalar(query)
+    node_id, attempt_id, state, member = row
     if member is None and member_id is not None:
         raise Forbidden(
             f"membership {member_id} of node {node_id} is not an active member of rendezvous "
@@ -92,6 +93,37 @@ def member_attempt(
     if state is not AttemptState.RUNNING:
         raise Forbidden(f"rendezvous {rdzv_id!r} is over: its attempt is {state}")
     return int(attempt_id)
+
+
+def _caller_statement(named_member: bool, lock: bool) -> Select[int, int, AttemptState, int]:
+    """``member_attempt``'s statement: the node of the token, the attempt of the rendezvous
+    id (no row if either is unknown), and the node's ACTIVE membership of it, if any
+    (with ``named_member``, only the one named)."""
+    membership = [
+        AttemptMember.attempt_id == Attempt.id,
+        AttemptMember.node_id == Node.id,
+        AttemptMember.state == MemberState.ACTIVE,
+    ]
+    if named_member:
+        membership.append(AttemptMember.id == bindparam("member_id"))
+    stmt = (
+        select(Node.id, Attempt.id, Attempt.state, AttemptMember.id)
+        .select_from(Node)
+        .join(Attempt, Attempt.rdzv_id == bindparam("rdzv_id"))
+        .outerjoin(AttemptMember, and_(*membership))
+        .where(Node.token_hash == bindparam("token_hash"))
+        .order_by(AttemptMember.id)
+        .limit(1)
+    )
+    return stmt.with_for_update(read=True, of=Attempt) if lock else stmt
+
+
+# Built once: building a statement costs more than running it.
+_CALLER = {
+    (named, lock): _caller_statement(named, lock)
+    for named in (False, True)
+    for lock in (False, True)
+}
 
 
 def member_count(session: Session, attempt_id: int) -> int:

@@ -232,9 +232,7 @@ def get_calling_node(factory: ReadFactoryDep, credentials: BearerDep) -> Node:
     with transaction(factory) as session:
         node = auth.node_for_token(session, token)
         if node is None:
-            if auth.user_for_token(session, token) is not None:
-                raise Forbidden("a user's token cannot act as a node")
-            raise Unauthenticated("the node token is unknown; register again")
+            auth.refuse_as_node(session, token)
     return node
 
 
@@ -253,6 +251,13 @@ def enrolment_credential(credentials: BearerDep) -> str:
     return _token(credentials)
 
 
+async def node_token(credentials: BearerDep) -> str:
+    """A node's token, checked by the route where it reads what the node may do
+    (``service.rendezvous.member_attempt``). A coroutine: FastAPI would call a plain
+    function on a worker thread of its own."""
+    return _token(credentials)
+
+
 def worker_token(credentials: BearerDep) -> str:
     """A worker's token, checked by the route against the job it names."""
     return _token(credentials)
@@ -264,3 +269,4 @@ NodeDep = Annotated[Node, Depends(get_node)]
 EnrolmentDep = Annotated[str, Depends(enrolment_credential)]
 CallingNodeDep = Annotated[Node, Depends(get_calling_node)]
 WorkerTokenDep = Annotated[str, Depends(worker_token)]
+NodeTokenDep = Annotated[str, Depends(node_token)]

@@ -43,9 +43,9 @@ from contract.rendezvous import (
 )
 from service import fence, rendezvous
 from service.api.deps import (
-    CallingNodeDep,
     FactoryDep,
     IdPath,
+    NodeTokenDep,
     ReadFactoryDep,
     WorkerTokenDep,
 )
@@ -62,19 +62,22 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Caller:
-    """The calling node, and the membership its launcher says it runs for (if it says)."""
+    """The calling node's token, and the membership its launcher says it runs for (if it
+    says). The token is checked where the route reads the attempt, in the same statement
+    (``rendezvous.member_attempt``): a store call is one trip to a worker thread and one
+    transaction, not two of each."""
 
-    node_id: int
+    token: str
     member_id: int | None
 
     def attempt(self, session: Session, rdzv_id: str, *, lock: bool = False) -> int:
         return rendezvous.member_attempt(
-            session, rdzv_id, self.node_id, member_id=self.member_id, lock=lock
+            session, rdzv_id, self.token, member_id=self.member_id, lock=lock
         )
 
 
 async def _caller(
-    node: CallingNodeDep,
+    token: NodeTokenDep,
     member: Annotated[
         int | None,
         Header(
@@ -85,7 +88,7 @@ async def _caller(
         ),
     ] = None,
 ) -> Caller:
-    return Caller(node.id, member)
+    return Caller(token, member)
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]

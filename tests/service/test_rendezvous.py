@@ -174,6 +174,12 @@ def test_only_members_of_the_running_attempt_may_use_its_rendezvous(
     assert api.post(f"{url}/store/get", json=get, headers=worker).status_code == 401
     missing = api.post("/api/v1/rendezvous/nope/store/get", json=get, headers=as_node(api, a))
     assert missing.status_code == 404
+    # a refused token is refused first: it learns nothing of which rendezvous exist
+    for token, refused in ((bearer("rln_nope"), 401), (bearer(api.user_token), 403)):
+        for where in ("nope", url.rsplit("/", 1)[1]):
+            add = {"key": "k", "amount": 1}
+            r = api.post(f"/api/v1/rendezvous/{where}/store/add", json=add, headers=token)
+            assert r.status_code == refused, (where, r.text)
     # a node that left the attempt
     assert api.post(f"/api/v1/nodes/{b}/leave", json={}).status_code == 200
     assert api.post(f"{url}/store/get", json=get, headers=as_node(api, b)).status_code == 403
