@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, bindparam, insert, select, update
+from sqlalchemy import Select, and_, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from contract.events import (
@@ -164,35 +164,17 @@ def _reporter(
     return node, attempt, member
 
 
-def _reporter_statement(membership: ColumnElement[bool]) -> Select[Node, Attempt, AttemptMember]:
-    """``_reporter``'s statement, its membership joined on ``membership``."""
-    return (
-        select(Node, Attempt, AttemptMember)
-        .select_from(Node)
-        .outerjoin(Attempt, Attempt.id == bindparam("attempt_id"))
-        .outerjoin(AttemptMember, membership)
-        .where(Node.id == bindparam("node_id"))
-        .order_by(AttemptMember.id.desc())
-        .limit(1)
-    )
-
-
-# Built once: building a statement costs more than running it.
-_MEMBERSHIP = and_(AttemptMember.attempt_id == Attempt.id, AttemptMember.node_id == Node.id)
-_REPORTER_NEWEST = _reporter_statement(_MEMBERSHIP)
-_REPORTER = _reporter_statement(and_(_MEMBERSHIP, AttemptMember.id == bindparam("member_id")))
 _NODES, _ATTEMPTS, _MEMBERS = table_of(Node).c, table_of(Attempt).c, table_of(AttemptMember).c
 
 
-def _fencing_statement(membership: ColumnElement[bool]) -> Select[Any]:
-    """``_apply_progress``'s read: ``_reporter``'s rows, as the few columns it checks."""
+def _reporter_statement(*what: Any, named_member: bool) -> Select[Any]:
+    """``what`` of the node, the attempt it reports on and its membership of that attempt
+    (with ``named_member``, the one named; else its newest), in one statement."""
+    membership = and_(_MEMBERS.attempt_id == _ATTEMPTS.id, _MEMBERS.node_id == _NODES.id)
+    if named_member:
+        membership = and_(membership, _MEMBERS.id == bindparam("member_id"))
     return (
-        select(
-            _NODES.token_hash,
-            _ATTEMPTS.job_id,
-            _ATTEMPTS.state.label("attempt_state"),
-            _MEMBERS.state.label("member_state"),
-        )
+        select(*what)
         .select_from(table_of(Node))
         .outerjoin(table_of(Attempt), _ATTEMPTS.id == bindparam("attempt_id"))
         .outerjoin(table_of(AttemptMember), membership)
@@ -202,9 +184,18 @@ def _fencing_statement(membership: ColumnElement[bool]) -> Select[Any]:
     )
 
 
-_MEMBERSHIP_COLUMNS = and_(_MEMBERS.attempt_id == _ATTEMPTS.id, _MEMBERS.node_id == _NODES.id)
-_FENCING_NEWEST = _fencing_statement(_MEMBERSHIP_COLUMNS)
-_FENCING = _fencing_statement(and_(_MEMBERSHIP_COLUMNS, _MEMBERS.id == bindparam("member_id")))
+# Built once: building a statement costs more than running it. ``_reporter`` loads the rows;
+# ``_apply_progress`` reads only the columns its fencing checks.
+_REPORTER_NEWEST = _reporter_statement(Node, Attempt, AttemptMember, named_member=False)
+_REPORTER = _reporter_statement(Node, Attempt, AttemptMember, named_member=True)
+_FENCED_BY = (
+    _NODES.token_hash,
+    _ATTEMPTS.job_id,
+    _ATTEMPTS.state.label("attempt_state"),
+    _MEMBERS.state.label("member_state"),
+)
+_FENCING_NEWEST = _reporter_statement(*_FENCED_BY, named_member=False)
+_FENCING = _reporter_statement(*_FENCED_BY, named_member=True)
 _SET_PROGRESS = (
     update(table_of(Job))
     .where(table_of(Job).c.id == bindparam("job_id"))
