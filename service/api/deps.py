@@ -244,29 +244,23 @@ def get_node(node_id: IdPath, factory: ReadFactoryDep, credentials: BearerDep) -
     return node
 
 
-def enrolment_credential(credentials: BearerDep) -> str:
-    """The credential a registering agent shows: the shared enrolment token or a
-    per-node one. The route checks it (``service.enrolment.admit``) in its own
-    transaction, with the name it registers: a single-use token is used up there."""
-    return _token(credentials)
-
-
-async def node_token(credentials: BearerDep) -> str:
-    """A node's token, checked by the route where it reads what the node may do
-    (``service.rendezvous.member_attempt``). A coroutine: FastAPI would call a plain
-    function on a worker thread of its own."""
-    return _token(credentials)
-
-
-def worker_token(credentials: BearerDep) -> str:
-    """A worker's token, checked by the route against the job it names."""
+async def presented_token(credentials: BearerDep) -> str:
+    """The bearer token as presented, for a route that checks it itself, in its own
+    transaction; 401 if none. A coroutine: FastAPI calls a plain-function dependency on a
+    worker thread of its own."""
     return _token(credentials)
 
 
 UserDep = Annotated[User, Depends(get_user)]
 AdminDep = Annotated[User, Depends(get_admin)]
 NodeDep = Annotated[Node, Depends(get_node)]
-EnrolmentDep = Annotated[str, Depends(enrolment_credential)]
 CallingNodeDep = Annotated[Node, Depends(get_calling_node)]
-WorkerTokenDep = Annotated[str, Depends(worker_token)]
-NodeTokenDep = Annotated[str, Depends(node_token)]
+# Tokens a route checks itself, each as ``presented_token`` gives it:
+# a registering agent's credential, the shared enrolment token or a per-node one
+# (``service.enrolment.admit``, with the name it registers: a single-use one is used up there);
+EnrolmentDep = Annotated[str, Depends(presented_token)]
+# a worker's token, against the job the route names (``service.fence.check_worker``);
+WorkerTokenDep = Annotated[str, Depends(presented_token)]
+# a node's token, where the route reads what the node may do
+# (``service.rendezvous.member_attempt``).
+NodeTokenDep = Annotated[str, Depends(presented_token)]
