@@ -166,6 +166,9 @@ class Supervision:
     # The hung workers ended last were all that still ran here, and another node's
     # workers had all finished: their end is this node's finish, not a failure.
     ended_after_peers: bool = False
+    # Whether this round's store counts this node as one whose workers have all begun
+    # their teardown (``announce_teardown``).
+    teardown_announced: bool = False
     beats: BeatWatches | None = field(init=False, default=None)
     # Workers in their teardown (by pid), judged by their CPU; those ended as stuck in it.
     teardowns: dict[int, TeardownWatch] = field(default_factory=dict)
@@ -463,15 +466,42 @@ def in_teardown(agent: Any, workers: Sequence[Any]) -> dict[int, str]:
     return found
 
 
-def _peers_finished(agent: Any) -> bool:
-    """Whether another node's agent of this round has entered torch's exit barrier, which
-    it does once its workers have all exited 0 (``SimpleElasticAgent._exit_barrier``:
-    it adds 1 to a count in the round's store). False if the store cannot say."""
+# A count in the round's store: the nodes whose workers have all begun their teardown.
+TEARDOWN_NODES_KEY = "relaunch/nodes_in_teardown"
+
+
+def announce_teardown(agent: Any, supervision: Supervision, in_teardown: bool) -> None:
+    """Keep the round's store's count of nodes in their teardown right for this node:
+    counted while every local worker has begun its teardown (its program returned, or it
+    destroyed its default process group) or exited, so that the other nodes know its
+    training is over even while a teardown takes long (gloo's can wait for a peer) and
+    before its agent enters torch's exit barrier; taken back if a worker initialises a
+    process group again. Best effort: a store that cannot be told leaves the other nodes
+    to the exit barrier alone."""
+    if in_teardown == supervision.teardown_announced:
+        return
+    try:
+        agent._store.add(TEARDOWN_NODES_KEY, 1 if in_teardown else -1)
+    except Exception as exc:  # a store gone
+        logger.info("%s cannot tell the round whether this node is in its teardown: %s", _CTX, exc)
+        return
+    supervision.teardown_announced = in_teardown
+
+
+def _peers_finished(agent: Any, supervision: Supervision) -> bool:
+    """Whether another node of this round has finished its training: its agent entered
+    torch's exit barrier, which it does once its workers have all exited 0
+    (``SimpleElasticAgent._exit_barrier``: it adds 1 to a count in the round's store), or
+    its workers have all begun their teardown (``announce_teardown``; this node's own
+    announcement is not counted). False if the store cannot say."""
     try:
         from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
         from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
-        return int(agent._store.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, 0)) > 0
+        store = agent._store
+        if int(store.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, 0)) > 0:
+            return True
+        return int(store.add(TEARDOWN_NODES_KEY, 0)) > int(supervision.teardown_announced)
     except Exception as exc:  # a torch without these names, or a store gone
         logger.info("%s cannot tell whether other nodes finished: %s", _CTX, exc)
         return False
@@ -603,6 +633,7 @@ def install_event_hooks(supervision: Supervision) -> None:
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
         supervision.clear_progress([w.local_rank for w in workers])
         supervision.forget_membership_change()
+        supervision.teardown_announced = False  # the new round's store has no count of ours
         logger.info(
             "%s rendezvous: group_rank=%s group_world_size=%s world_size=%s restart_count=%s",
             _CTX,
@@ -642,6 +673,7 @@ def install_event_hooks(supervision: Supervision) -> None:
         elif result.state == WorkerState.HEALTHY:
             workers = worker_group.workers
             leaving = in_teardown(self, workers)
+            announce_teardown(self, supervision, bool(leaving) and _running_only(self, leaving))
             stuck = supervision.find_stuck_teardowns(workers, leaving)
             # Stuck teardowns end only once every other local worker has exited or is
             # stuck too: a group with a worker still training would fail and restart.
@@ -651,7 +683,9 @@ def install_event_hooks(supervision: Supervision) -> None:
             hung = supervision.find_hung(workers, in_teardown=leaving)
             if hung:
                 hung_ids = {worker.id for worker, _, _ in hung}
-                peers_finished = _running_only(self, hung_ids) and _peers_finished(self)
+                peers_finished = _running_only(self, hung_ids) and _peers_finished(
+                    self, supervision
+                )
                 supervision.end_hung(workers, hung, peers_finished)
         return result
 

@@ -416,14 +416,22 @@ def test_a_worker_stuck_after_its_peers_finished_ends_without_a_restart(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str], tmp_path: Path
 ) -> None:
     """Rank 1 trains to the end, passes the last barrier, then never gets to its teardown
-    (its ``destroy_process_group`` sleeps). Rank 0's node has finished and waits in torch's
-    exit barrier, so a restart could never form: the stuck worker is ended as hung, its
-    node finishes, and the job succeeds without a restart."""
+    (its ``destroy_process_group`` sleeps). Rank 0 has finished: it is in its teardown,
+    which lasts past rank 1's hang timeout (gloo's can wait for the peer that never
+    destroys its group), and then its node waits in torch's exit barrier. A restart would
+    train the job again: the stuck worker is ended as hung, its node finishes, and the
+    job succeeds without a restart."""
     start_nodes(cluster, nodes, "stuck-a", "stuck-b")
     prelude = (
+        "import torch.distributed\n"
         "if os.environ['RANK'] == '1':\n"
-        "    import torch.distributed\n"
         "    torch.distributed.destroy_process_group = lambda *a, **k: time.sleep(3600)\n"
+        "else:\n"
+        "    destroy = torch.distributed.destroy_process_group\n"
+        "    def slow_destroy(*a, **k):\n"
+        "        destroy(*a, **k)\n"
+        "        time.sleep(12)\n"
+        "    torch.distributed.destroy_process_group = slow_destroy\n"
     )
     script = _example_with_prelude(tmp_path, "stuck_before_teardown.py", prelude)
     job_id, hang = _succeeds_after_one_stuck_worker(client, "stuck-before-teardown", script)

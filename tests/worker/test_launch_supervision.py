@@ -287,6 +287,59 @@ def test_hung_workers_ended_after_the_peers_finished_are_a_finish_only_alone(
     assert [h["peers_finished"] for h in hangs] == [True, True, False]
 
 
+@dataclass
+class Agent:
+    """The parts of torch's elastic agent that the peers' checks read: the round's store."""
+
+    _store: Any
+
+
+def test_a_node_whose_workers_all_began_their_teardown_counts_as_finished_for_its_peers(
+    tmp_path: Path,
+) -> None:
+    """A node whose workers are all in their teardown has finished its training before its
+    agent enters torch's exit barrier (a gloo teardown can wait for the hung peer), so the
+    hung worker of another node is ended as finished; its own count does not count for
+    itself, and a node that takes its teardown back (a process group initialised again)
+    takes its count back."""
+    from torch.distributed import HashStore
+
+    from worker.launch import _peers_finished, announce_teardown
+
+    round_store = HashStore()
+    here, there = Agent(round_store), Agent(round_store)
+    hung_node, _ = _supervision(tmp_path)
+    other_node, _ = _supervision(tmp_path)
+    assert _peers_finished(here, hung_node) is False
+    announce_teardown(there, other_node, True)
+    announce_teardown(there, other_node, True)  # counted once, however often it is seen
+    assert _peers_finished(here, hung_node) is True
+    announce_teardown(here, hung_node, True)
+    assert _peers_finished(there, other_node) is True  # the hung node's own count is not
+    announce_teardown(there, other_node, False)
+    assert _peers_finished(here, hung_node) is False
+    assert round_store.add("relaunch/nodes_in_teardown", 0) == 1
+    # A node in torch's exit barrier has finished too, whatever the count says.
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _NUM_MEMBERS
+
+    round_store.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, 1)
+    assert _peers_finished(here, hung_node) is True
+
+
+def test_a_store_that_cannot_be_told_leaves_the_node_uncounted(tmp_path: Path) -> None:
+    class Gone:
+        def add(self, key: str, amount: int) -> int:
+            raise RuntimeError("the round's store is gone")
+
+    from worker.launch import _peers_finished, announce_teardown
+
+    supervision, _ = _supervision(tmp_path)
+    announce_teardown(Agent(Gone()), supervision, True)
+    assert supervision.teardown_announced is False
+    assert _peers_finished(Agent(Gone()), supervision) is False
+
+
 def test_restart_back_off_doubles_up_to_the_cap() -> None:
     policy = RestartPolicy(backoff_s=1.5, backoff_max_s=5)
     assert [policy.delay_s(n) for n in range(1, 6)] == [0, 1.5, 3, 5, 5]
