@@ -28,6 +28,7 @@ from service.db import upgrade_to_head
 from tests.helpers import (
     REPO_ROOT,
     FakeClock,
+    forget_classified_callables,
     let_jobs_pass,
     starts_clusters,
     subprocess_environ,
@@ -102,6 +103,14 @@ def _jobs_can_reach_python_and_tmp(tmp_path_factory: pytest.TempPathFactory) -> 
     let_jobs_pass(Path(sys.prefix))
     let_jobs_pass(REPO_ROOT)
     let_jobs_pass(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(autouse=True)
+def _apps_freed_after_each_test() -> Iterator[None]:
+    """What a test's apps left in FastAPI's caches is dropped with the test, so that the
+    apps are freed (``forget_classified_callables``)."""
+    yield
+    forget_classified_callables()
 
 
 @pytest.fixture
