@@ -285,18 +285,20 @@ def test_a_frozen_node_is_dropped_and_the_survivor_re_forms_at_once_without_a_re
     wait_no_processes(cluster, job_id)
 
 
-def test_ten_membership_changes_spend_no_restart_anywhere(
+def test_more_membership_changes_than_the_restart_budget_spend_no_restart_anywhere(
     cluster: LocalCluster, client: RelaunchClient, nodes: list[str]
 ) -> None:
-    """A node leaves and comes back five times (ten membership changes); max_restarts
-    is 3, for relaunch and for torch's launchers alike. The other node's launcher sees
-    every departure (each broke its workers' collective), and nothing of either budget
-    is spent: no launcher gives up."""
+    """A node leaves and comes back twice (four membership changes, each a new group of
+    the other node's workers); max_restarts is 3, for relaunch and for torch's launchers
+    alike, so a change that spent a restart of either budget would end the job. The other
+    node's launcher sees every departure (each broke its workers' collective), and nothing
+    of either budget is spent: no launcher gives up."""
     start_nodes(cluster, nodes, "churn-a", "churn-b")
     spec = regression("churn", "1:2", params={"epochs": 20, "step_delay": 0.1})
+    assert spec["max_restarts"] == 3
     job_id = client.submit(spec)["id"]
     wait_world_size(client, job_id, 2, after_step=2)
-    for _ in range(5):
+    for _ in range(2):
         name = "churn-b"
         seen = newest_metric_id(client, job_id)
         cluster.stop(name)  # SIGTERM: the agent stops its part and leaves
@@ -307,7 +309,7 @@ def test_ten_membership_changes_spend_no_restart_anywhere(
     job = wait_terminal(client, job_id)
     assert_trained(client, job)
     assert (job["restart_count"], len(job["attempts"])) == (0, 1)
-    assert job["membership_changes"] >= 10
+    assert job["membership_changes"] >= 4
     kinds = [e["kind"] for e in client.events(job_id)]
     assert "node_failed" not in kinds and "restarting" not in kinds
     wait_no_processes(cluster, job_id)
