@@ -290,7 +290,7 @@ def test_more_membership_changes_than_the_restart_budget_spend_no_restart_anywhe
 ) -> None:
     """A node leaves and comes back twice (four membership changes, each a new group of
     the other node's workers); max_restarts is 3, for relaunch and for torch's launchers
-    alike, so a change that spent a restart of either budget would end the job. The other
+    alike, so changes that each spent a restart of either budget would end the job. The other
     node's launcher sees every departure (each broke its workers' collective), and nothing
     of either budget is spent: no launcher gives up."""
     start_nodes(cluster, nodes, "churn-a", "churn-b")

@@ -304,7 +304,7 @@ def test_a_node_whose_workers_all_began_their_teardown_counts_as_finished_for_it
     takes its count back."""
     from torch.distributed import HashStore
 
-    from worker.launch import _peers_finished, announce_teardown
+    from worker.launch import TEARDOWN_NODES_KEY, _peers_finished, announce_teardown
 
     round_store = HashStore()
     here, there = Agent(round_store), Agent(round_store)
@@ -318,7 +318,7 @@ def test_a_node_whose_workers_all_began_their_teardown_counts_as_finished_for_it
     assert _peers_finished(there, other_node) is True  # the hung node's own count is not
     announce_teardown(there, other_node, False)
     assert _peers_finished(here, hung_node) is False
-    assert round_store.add("relaunch/nodes_in_teardown", 0) == 1
+    assert round_store.add(TEARDOWN_NODES_KEY, 0) == 1
     # A node in torch's exit barrier has finished too, whatever the count says.
     from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
     from torch.distributed.elastic.utils.store import _NUM_MEMBERS
