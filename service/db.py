@@ -167,12 +167,17 @@ def normalize_url(url: str) -> str:
 
 
 def make_engine(
-    url: str, connections: int = DEFAULT_CONNECTIONS, ping_after_idle_s: float = PING_AFTER_IDLE_S
+    url: str,
+    connections: int = DEFAULT_CONNECTIONS,
+    ping_after_idle_s: float = PING_AFTER_IDLE_S,
+    synchronous_commit: bool = True,
 ) -> Engine:
     """An engine of at most ``connections`` connections; a caller that needs one more
     waits for one to be returned (``TimeoutError`` after 30 s). On PostgreSQL a pooled
     connection idle for more than ``ping_after_idle_s`` (0: any) is pinged before it is
-    lent (``ping_idle_connections``)."""
+    lent (``ping_idle_connections``), and without ``synchronous_commit`` its commits do
+    not wait for the server to flush them to disk (PostgreSQL's ``synchronous_commit =
+    off``: a server crash may lose the last commits, never half of one)."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -181,7 +186,8 @@ def make_engine(
         return engine
     # Last in, first out: the connections a steady load keeps busy are lent again within
     # ``ping_after_idle_s``; the others sit idle, and are pinged when next lent.
-    engine = create_engine(url, pool_use_lifo=True, **_pool_size(connections))
+    options = {} if synchronous_commit else {"options": "-c synchronous_commit=off"}
+    engine = create_engine(url, pool_use_lifo=True, connect_args=options, **_pool_size(connections))
     ping_idle_connections(engine, ping_after_idle_s)
     return engine
 

@@ -375,6 +375,7 @@ class OneStatement:
     are the ones kept."""
 
     def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @staticmethod

@@ -81,6 +81,18 @@ class ControllerSettings(BaseSettings):
         description="On PostgreSQL, record a node's heartbeat and read its assignments in "
         "one statement, committed by itself; false: in a transaction of two, as on SQLite",
     )
+    heartbeat_synchronous_commit: bool = Field(
+        default=False,
+        description="On PostgreSQL, whether a heartbeat's one statement "
+        "(heartbeat_one_statement) waits for the server to flush its commit to disk. It "
+        "writes only when its node was heard from (and that the node's registration key is "
+        "spent), which the node's next heartbeat writes again: a server crash may lose those "
+        "of its last three wal_writer_delay (600 ms by default), within any node timeout. "
+        "Off, a heartbeat does not wait for the disk, nor queue behind a slow flush; every "
+        "other write "
+        "(memberships, tokens, reports, jobs) waits for it as before. Its connections are a "
+        "pool of their own, of as many as the heartbeats' threads",
+    )
     heartbeat_threads: int = Field(
         default=8,
         ge=0,

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -117,6 +118,7 @@ def create_app(
     factory = make_session_factory(engine)
     read_engine = make_read_engine(settings.db_url, engine, settings.database_connections)
     read_factory = make_session_factory(read_engine)
+    heartbeat_engine = _heartbeat_engine(settings, engine)
     helper = controller is not None
     run_background = run_background and not helper
     in_child = reconciler_in_child(settings, clock, run_background)
@@ -187,6 +189,8 @@ def create_app(
             reconciler.stop()
             engine.dispose()
             read_engine.dispose()
+            if heartbeat_engine is not None and heartbeat_engine is not engine:
+                heartbeat_engine.dispose()
 
     app = FastAPIOffline(
         static_url=DOCS_ASSETS,
@@ -207,9 +211,7 @@ def create_app(
     app.state.heartbeat_answers = Answers()
     app.state.heartbeat_liveness = Liveness()
     app.state.heartbeat_one_statement = (
-        OneStatement(engine)
-        if settings.heartbeat_one_statement and OneStatement.serves(engine)
-        else None
+        OneStatement(heartbeat_engine) if heartbeat_engine is not None else None
     )
     app.state.heartbeat_pace = Pace(settings, functools.partial(count_alive, read_factory))
     app.include_router(health.router)
@@ -240,6 +242,21 @@ def create_app(
 
     _map_errors(app)
     return app
+
+
+def _heartbeat_engine(settings: ControllerSettings, engine: Engine) -> Engine | None:
+    """The engine of a heartbeat's one statement (``heartbeats.OneStatement``): None where
+    there is none (turned off, or SQLite); ``engine`` itself where its commits wait for
+    the disk (``heartbeat_synchronous_commit``), else a pool of its own whose commits do
+    not, of a connection for each thread that answers heartbeats."""
+    if not settings.heartbeat_one_statement or not OneStatement.serves(engine):
+        return None
+    if settings.heartbeat_synchronous_commit:
+        return engine
+    threads = settings.heartbeat_threads or settings.api_threads
+    return make_engine(
+        settings.db_url, threads, settings.database_ping_after_idle_s, synchronous_commit=False
+    )
 
 
 def _make_data_dir(settings: ControllerSettings) -> None:

@@ -129,34 +129,50 @@ def kinds(api: TestClient, job_id: int) -> list[str]:
     return [e["kind"] for e in api.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
 
 
+def engines_of(app: Any) -> list[Engine]:
+    """The engines ``app`` sends statements on: its main one, and on PostgreSQL the pool of
+    its heartbeats' one statement when that is a pool of its own
+    (``heartbeat_synchronous_commit`` off, the default)."""
+    engine: Engine = app.state.session_factory.kw["bind"]
+    one_statement = app.state.heartbeat_one_statement
+    if one_statement is not None and one_statement.engine.pool is not engine.pool:
+        return [engine, one_statement.engine]
+    return [engine]
+
+
 @contextmanager
-def statements(engine: Engine) -> Iterator[list[str]]:
-    """Every statement sent on ``engine`` meanwhile (an executemany counts once)."""
+def statements(*engines: Engine) -> Iterator[list[str]]:
+    """Every statement sent on ``engines`` meanwhile (an executemany counts once), in the
+    order sent."""
     sent: list[str] = []
 
     def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         sent.append(statement)
 
-    sa_event.listen(engine, "before_cursor_execute", note)
+    for engine in engines:
+        sa_event.listen(engine, "before_cursor_execute", note)
     try:
         yield sent
     finally:
-        sa_event.remove(engine, "before_cursor_execute", note)
+        for engine in engines:
+            sa_event.remove(engine, "before_cursor_execute", note)
 
 
 @contextmanager
-def commits(engine: Engine) -> Iterator[list[object]]:
-    """A note of every transaction committed on ``engine`` meanwhile."""
+def commits(*engines: Engine) -> Iterator[list[object]]:
+    """A note of every transaction committed on ``engines`` meanwhile."""
     committed: list[object] = []
 
     def note(conn: Any) -> None:
         committed.append(conn)
 
-    sa_event.listen(engine, "commit", note)
+    for engine in engines:
+        sa_event.listen(engine, "commit", note)
     try:
         yield committed
     finally:
-        sa_event.remove(engine, "commit", note)
+        for engine in engines:
+            sa_event.remove(engine, "commit", note)
 
 
 def query_plans(session: Session, read: Callable[[Session], Any]) -> list[str]:

@@ -17,6 +17,7 @@ from tests.helpers import FakeClock
 from tests.service.helpers import (
     Cluster,
     bearer,
+    engines_of,
     heartbeat,
     job,
     register,
@@ -205,16 +206,16 @@ def test_a_registration_replaces_the_inventory(api: Cluster) -> None:
 def test_the_gpu_use_is_written_with_the_heartbeat_itself(api: Cluster, clock: FakeClock) -> None:
     """A heartbeat that brings new GPU use sends the statements of one that does not: the
     use goes into the UPDATE that records the heartbeat."""
-    engine = api.app.state.session_factory.kw["bind"]  # type: ignore[attr-defined]
+    engines = engines_of(api.app)
     node_id = register_gpu_node(api, "g", 2)
     # The first heartbeat also counts the ALIVE nodes for the pace (every few seconds).
     assert api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []}).is_success
     clock.advance(1)
-    with statements(engine) as bare:
+    with statements(*engines) as bare:
         assert api.post(f"/api/v1/nodes/{node_id}/heartbeat", json={"running": []}).is_success
     clock.advance(1)
     usage = [{"index": i, "utilization_pct": 50.0, "memory_used_bytes": GIB} for i in (0, 1)]
-    with statements(engine) as with_use:
+    with statements(*engines) as with_use:
         body = {"running": [], "gpus": usage}
         assert api.post(f"/api/v1/nodes/{node_id}/heartbeat", json=body).is_success
     assert len(with_use) == len(bare), (bare, with_use)

@@ -17,7 +17,15 @@ from service.models import Node, Role
 from service.reconciler import Reconciler
 from service.settings import ControllerSettings
 from tests.helpers import FakeClock
-from tests.service.helpers import Cluster, commits, heartbeat, register, statements, submit
+from tests.service.helpers import (
+    Cluster,
+    commits,
+    engines_of,
+    heartbeat,
+    register,
+    statements,
+    submit,
+)
 
 
 def running(api: Cluster, node_id: int, attempt_ids: list[int]) -> list[dict[str, Any]]:
@@ -47,7 +55,7 @@ def test_a_heartbeat_of_a_node_at_work_is_one_update_and_one_select(
     attempts = [a["attempt_id"] for a in heartbeat(api, node_id)]
     assert len(attempts) == jobs
 
-    with statements(engine_of(api)) as sent, commits(engine_of(api)) as committed:
+    with statements(*engines_of(api.app)) as sent, commits(*engines_of(api.app)) as committed:
         assert [a["attempt_id"] for a in running(api, node_id, attempts)] == attempts
     work = [s.split()[0] for s in sent if not s.startswith("BEGIN")]  # SQLite's, sent as SQL
     if engine_of(api).dialect.name == "postgresql":  # an UPDATE in a WITH, committed alone
@@ -67,7 +75,7 @@ def test_an_answer_that_starts_an_attempt_holds_the_node_s_row_until_its_tokens_
     node_id = register(api, "a")
     submit(api, "1")
     reconciler.run_once()
-    with statements(engine_of(api)) as sent, commits(engine_of(api)) as committed:
+    with statements(*engines_of(api.app)) as sent, commits(*engines_of(api.app)) as committed:
         [assignment] = heartbeat(api, node_id)
     assert assignment["worker_token"]
     # Not SQLite's BEGIN, sent as SQL, nor the count of ALIVE nodes for the pace.
@@ -98,11 +106,46 @@ def test_on_postgresql_a_heartbeat_can_still_be_a_transaction_of_two(
         reconciler.run_once()
         [assignment] = heartbeat(api, node_id)
         assert assignment["worker_token"]
-        with statements(engine_of(api)) as sent, commits(engine_of(api)) as committed:
+        with statements(*engines_of(api.app)) as sent, commits(*engines_of(api.app)) as committed:
             [again] = running(api, node_id, [assignment["attempt_id"]])
         assert again == {**assignment, "worker_token": None}
         assert [s.split()[0] for s in sent] == ["UPDATE", "SELECT"]
         assert len(committed) == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_on_postgresql_a_heartbeat_s_commit_waits_for_the_disk_only_if_asked(
+    settings: ControllerSettings, clock: FakeClock, synchronous: bool
+) -> None:
+    """By default the one statement runs on a pool of its own whose commits do not wait
+    for the server's flush; every other write's still do. What it answers is the same."""
+    settings = settings.model_copy(update={"heartbeat_synchronous_commit": synchronous})
+    app = create_app(settings, clock=clock, run_background=False)
+    with Cluster(app) as api:
+        api.node_tokens, api.name_tokens = {}, {}
+        api.user_token = api.add_user("root", Role.ADMIN)
+        reconciler = Reconciler(app.state.session_factory, settings, clock)
+        node_id = register(api, "a")
+        submit(api, "1")
+        reconciler.run_once()
+        [assignment] = heartbeat(api, node_id)
+        with statements(*engines_of(app)) as sent:
+            [again] = running(api, node_id, [assignment["attempt_id"]])
+        assert again == {**assignment, "worker_token": None}
+        assert [s.split()[0] for s in sent] == ["WITH"], sent
+        engines = engines_of(app)
+        assert len(engines) == (1 if synchronous else 2)
+        flushes = []
+        for engine in engines:
+            with engine.connect() as conn:
+                flushes.append(conn.exec_driver_sql("SHOW synchronous_commit").scalar_one())
+        assert flushes == (["on"] if synchronous else ["on", "off"])
+        beating = app.state.heartbeat_one_statement.engine
+        with beating.connect() as conn:  # the heartbeats' pool, whichever it is
+            shown = conn.exec_driver_sql("SHOW synchronous_commit").scalar_one()
+        assert shown == ("on" if synchronous else "off")
 
 
 def test_an_answer_is_rendered_once_until_the_attempt_changes(
