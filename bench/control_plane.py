@@ -130,6 +130,8 @@ class Options:
     # RELAUNCH_DATABASE_PING_AFTER_IDLE_S=0 (a ping at every loan of a pooled connection)
     # and RELAUNCH_HEARTBEAT_ONE_STATEMENT=false (a heartbeat is a transaction of two).
     every_round_trip: bool = False
+    # RELAUNCH_HEARTBEAT_SYNCHRONOUS_COMMIT of the controller; None: its default.
+    heartbeat_synchronous_commit: bool | None = None
     # RELAUNCH_HEARTBEAT_THREADS of the controller; None: its default.
     heartbeat_threads: int | None = None
     # RELAUNCH_HEARTBEAT_WAIT_MAX_S of the controller (0: no heartbeat shed); None: default.
@@ -148,6 +150,14 @@ class Options:
     # measured (``_collector_held``). The simulated nodes stand for as many agent processes:
     # one pause of this process stops them all at once, which no real fleet does.
     hold_own_collector: bool = True
+    # An open loop: at most this many runs train at once, each on a fixed clock, and the
+    # runs assigned beyond them wait their turn (``SimNode``'s ``turns``). While the fleet
+    # holds more runs than this, the reports it sends do not depend on how fast the
+    # controller answers, so two codes are given the same load. None: the closed loop.
+    runs_at_once: int | None = None
+    # The tree the controller imports its code from (a checkout of another commit, for
+    # ``--baseline-code``); None: this bench's own, ``CODE_ROOT``.
+    code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -207,10 +217,17 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
     if options.every_round_trip:
         env["RELAUNCH_DATABASE_PING_AFTER_IDLE_S"] = "0"
         env["RELAUNCH_HEARTBEAT_ONE_STATEMENT"] = "false"
+    if options.heartbeat_synchronous_commit is not None:
+        env["RELAUNCH_HEARTBEAT_SYNCHRONOUS_COMMIT"] = str(
+            options.heartbeat_synchronous_commit
+        ).lower()
     if options.heartbeats_per_s_max is not None:
         env["RELAUNCH_HEARTBEATS_PER_S_MAX"] = f"{options.heartbeats_per_s_max:g}"
+    # The controller is started with ``python -m``, which would put the working directory
+    # (this tree) first on its path: ``PYTHONSAFEPATH`` leaves it off, as ``-P`` does.
+    env["PYTHONSAFEPATH"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(CODE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        [options.code or str(CODE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     database = None
     if options.db == "postgresql":
@@ -255,8 +272,10 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         stats = FleetStats()
         rendezvous = Rendezvous()
         token = cluster.enrolment_token
+        turns = asyncio.Semaphore(options.runs_at_once) if options.runs_at_once else None
+        training = replace(options.training, fixed_clock=turns is not None)
         nodes = [
-            SimNode(f"sim-{i:05d}", fleet[i], token, options.training, rendezvous, stats)
+            SimNode(f"sim-{i:05d}", fleet[i], token, training, rendezvous, stats, turns)
             for i in range(options.nodes)
         ]
         # Each node heartbeats from its registration on, as an agent does (a node silent
@@ -309,7 +328,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
             start_beats = (stats.heartbeat_ms, stats.heartbeat_timeouts, start - started)
             stats.reset()
             rss: list[int] = []
-            running: list[int] = []
+            running: list[tuple[int, int]] = []
             latest: list[tuple[float, Samples]] = []
             lags: list[tuple[float, float]] = []
             own_gc = _OwnCollections()  # this process's collections while it measures
@@ -434,14 +453,16 @@ class _OwnCollections(CollectionTimer):
 
 def code_roots(controller: psutil.Process) -> dict[str, int]:
     """How many of the controller's processes import the service's code from where, as
-    Python looks for it: first in the working directory, unless started with ``-P`` (the
-    controller itself runs ``python -m``, which puts it first), then along ``PYTHONPATH``
-    (``CODE_ROOT`` first, as the bench sets it); "(installed)" where neither holds it."""
+    Python looks for it: first in the working directory, unless started with ``-P`` or
+    ``PYTHONSAFEPATH`` (as the bench starts the controller), then along ``PYTHONPATH``
+    (``CODE_ROOT`` or ``--baseline-code`` first, as the bench sets it); "(installed)" where
+    neither holds it."""
     roots: dict[str, int] = {}
     for process in [controller, *controller.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            path = process.environ().get("PYTHONPATH", "").split(os.pathsep)
-            if "-P" not in process.cmdline():
+            environ = process.environ()
+            path = environ.get("PYTHONPATH", "").split(os.pathsep)
+            if "-P" not in process.cmdline() and not environ.get("PYTHONSAFEPATH"):
                 path.insert(0, process.cwd())
             root = next(
                 (p for p in path if p and (Path(p) / "service" / "__init__.py").is_file()),
@@ -702,20 +723,27 @@ async def _sample_rss(process: psutil.Process, until: float, into: list[int]) ->
         await asyncio.sleep(1.0)
 
 
-async def _sample_running(stats: FleetStats, until: float, into: list[int]) -> None:
+async def _sample_running(stats: FleetStats, until: float, into: list[tuple[int, int]]) -> None:
+    """Every second: the runs training, and those that wait their turn."""
     while time.monotonic() < until:
-        into.append(stats.running)
+        into.append((stats.running, stats.waiting))
         await asyncio.sleep(1.0)
 
 
-def offered(stats: FleetStats, running: list[int], wall: float) -> dict[str, float]:
-    """The load the fleet put on the controller. It is not fixed: a node asks for work
-    and reports on it, so a controller that places more jobs (or places them on one node
-    rather than two) gets more requests, and its latencies are those of a heavier load.
+def offered(stats: FleetStats, running: list[tuple[int, int]], wall: float) -> dict[str, float]:
+    """The load the fleet put on the controller. In the closed loop (the default) it is
+    not fixed: a node asks for work and reports on it, so a controller that places more
+    jobs (or places them on one node rather than two) gets more requests, and its latencies
+    are those of a heavier load. With ``runs_at_once`` it is fixed while runs wait their
+    turn (``runs_waiting_min`` above 0): then as many train whatever the controller does.
     Heartbeats count every answer, a shed one's 503 included."""
+    training = [r for r, _ in running]
+    waiting = [w for _, w in running]
     return {
-        "runs_running_mean": statistics.fmean(running) if running else float("nan"),
-        "runs_running_max": max(running, default=0),
+        "runs_running_mean": statistics.fmean(training) if training else float("nan"),
+        "runs_running_max": max(training, default=0),
+        "runs_waiting_mean": statistics.fmean(waiting) if waiting else float("nan"),
+        "runs_waiting_min": min(waiting, default=0),
         "runs_per_job_placed": stats.runs_started / len(stats.jobs_placed)
         if stats.jobs_placed
         else float("nan"),
@@ -1198,6 +1226,13 @@ def print_table(result: dict[str, Any]) -> None:
         "part of an attempt) per job placed, "
         f"{load['reports_per_s']:.0f} reports/s and {load['heartbeats_per_s']:.0f} heartbeats/s "
         "answered"
+        + (
+            f"; at most {o['runs_at_once']} training at once, on a fixed clock, "
+            f"{load['runs_waiting_mean']:.0f} waiting their turn on mean (fewest "
+            f"{load['runs_waiting_min']})"
+            if o.get("runs_at_once")
+            else ""
+        )
     )
     machine = result["machine"]
     console.print(
@@ -1262,6 +1297,28 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds the fleet runs after its registrations before the measurement starts "
         "(the fleet's start is reported apart)",
     )
+    parser.add_argument(
+        "--runs-at-once",
+        type=int,
+        help="an open loop, the same load for any code: at most N simulated runs train at "
+        "once, each step on a fixed clock; the runs assigned beyond them wait their turn "
+        "(default: every run trains as soon as it is assigned, each step after its last "
+        "report's answer)",
+    )
+    parser.add_argument(
+        "--baseline-code",
+        type=Path,
+        metavar="DIR",
+        help="first run the same load on the controller's code in DIR (a checkout of another "
+        "commit: git worktree add DIR REV), then on this tree's",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with a --baseline-*: run the pair this many times, in turn (baseline, this, "
+        "this, baseline, ...)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="steps of each simulated run")
     parser.add_argument("--step-s", type=float, default=0.5, help="seconds per simulated step")
     parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="makes the database")
@@ -1315,6 +1372,12 @@ def main(argv: list[str] | None = None) -> None:
         "each heartbeat a transaction of two statements",
     )
     parser.add_argument(
+        "--baseline-heartbeat-synchronous-commit",
+        action="store_true",
+        help="first run the same load with each heartbeat's commit waiting for PostgreSQL "
+        "to flush it to disk, as every commit does by default",
+    )
+    parser.add_argument(
         "--baseline-shared-threads",
         action="store_true",
         help="first run the same load with heartbeats answered on the API's threads, "
@@ -1363,6 +1426,14 @@ def main(argv: list[str] | None = None) -> None:
         "--api-processes",
     )
     args = parser.parse_args(argv)
+    if args.runs_at_once is not None and args.runs_at_once < 1:
+        parser.error("--runs-at-once must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.baseline_code is not None:
+        args.baseline_code = args.baseline_code.resolve()
+        if not (args.baseline_code / "service" / "__init__.py").is_file():
+            parser.error(f"--baseline-code {args.baseline_code}: no service/ package there")
     api_processes = args.api_processes
     if api_processes is None and args.baseline_one_api_process:
         api_processes = 2
@@ -1385,13 +1456,20 @@ def main(argv: list[str] | None = None) -> None:
         api_processes=api_processes,
         api_threads=api_threads,
         gc_young_threshold=args.gc_young_threshold,
+        runs_at_once=args.runs_at_once,
     )
     chosen = [flag for flag in BASELINES if getattr(args, flag)]
     runs: dict[str, dict[str, Any]]
     side_by_side: Callable[[dict[str, dict[str, Any]]], None] | None
-    if chosen:
-        changes, (baseline, given), side_by_side = BASELINES[chosen[0]]
-        runs = {baseline: run(replace(options, **changes)), given: run(options)}
+    baseline_code: Path | None = args.baseline_code
+    if baseline_code is not None or chosen:
+        if baseline_code is not None:
+            changes = {"code": str(baseline_code)}
+            names = (baseline_code.name or str(baseline_code), "this tree")
+            side_by_side = _same_load("the controller's code there or here")
+        else:
+            changes, names, side_by_side = BASELINES[chosen[0]]
+        runs = paired(options, changes, names, args.rounds)
     else:
         runs = {"": run(options)}
         side_by_side = None
@@ -1402,6 +1480,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         written = runs[""] if side_by_side is None else runs
         args.json.write_text(json.dumps(_finite(written), indent=2) + "\n")
+
+
+def paired(
+    options: Options, changes: dict[str, Any], names: tuple[str, str], rounds: int
+) -> dict[str, dict[str, Any]]:
+    """The baseline (``options`` with ``changes``) and ``options`` itself, ``rounds`` times,
+    in turn (baseline, given; then given, baseline; ...), so that a machine that drifts
+    over the runs weighs on both alike. Named ``names``, numbered when ``rounds`` > 1; the
+    baseline's runs first."""
+    baseline, given = names
+    ran: dict[str, list[dict[str, Any]]] = {baseline: [], given: []}
+    for round_ in range(rounds):
+        order = [(baseline, changes), (given, {})]
+        for name, change in order[:: -1 if round_ % 2 else 1]:
+            ran[name].append(run(replace(options, **change)))
+    if rounds == 1:
+        return {name: results[0] for name, results in ran.items()}
+    return {
+        f"{name} ({i})": result
+        for name, results in ran.items()
+        for i, result in enumerate(results, start=1)
+    }
 
 
 # A figure's label, and how it reads from one run's results.
@@ -1478,6 +1578,7 @@ def print_side_by_side(
         ("jobs placed", lambda r: f"{r['jobs']['placed']}"),
         ("runs under way, mean (max)",
          lambda r: f"{r['offered']['runs_running_mean']:.0f} ({r['offered']['runs_running_max']})"),
+        ("runs waiting their turn, mean (fewest)", _waiting),
         ("runs per job placed", lambda r: f"{r['offered']['runs_per_job_placed']:.2f}"),
         ("reports answered /s", lambda r: f"{r['offered']['reports_per_s']:.0f}"),
         ("runs succeeded", lambda r: f"{r['jobs']['runs_succeeded']}"),
@@ -1541,6 +1642,13 @@ def _split(beats: dict[str, Any]) -> str:
     )
 
 
+def _waiting(result: dict[str, Any]) -> str:
+    load = result["offered"]
+    if "runs_waiting_mean" not in load or not result["options"].get("runs_at_once"):
+        return "- (closed loop)"
+    return f"{load['runs_waiting_mean']:.0f} ({load['runs_waiting_min']})"
+
+
 def _loop(loop: dict[str, Any] | None) -> str:
     if not loop:
         return "-"
@@ -1593,6 +1701,11 @@ BASELINES: dict[
         {"every_round_trip": True},
         ("every round trip", "fewer round trips"),
         _same_load("round trips to the database"),
+    ),
+    "baseline_heartbeat_synchronous_commit": (
+        {"heartbeat_synchronous_commit": True},
+        ("heartbeat waits for the disk", "heartbeat does not"),
+        _same_load("a heartbeat's commit flushed to disk before its answer, or not"),
     ),
     "baseline_shared_threads": (
         {"heartbeat_threads": 0},

@@ -7,16 +7,23 @@ and reports on them: the rendezvous of every node; from the node of group rank 0
 training's start, its progress (with a log line) every few steps, one snapshot and its
 finish; then every node's exit, ``succeeded``. A 409 on a report ends that run, as it
 ends an agent's. Hundreds of them share one event loop; each has its HTTP client.
+
+By default the fleet is a closed loop: a run's next step waits for its last report's
+answer, and a node starts what it is given at once, so a controller that answers sooner is
+sent more. ``Training.fixed_clock`` and a ``turns`` semaphore shared by the fleet make it
+an open one (``--runs-at-once`` of the control-plane bench): steps keep their clock, and at
+most so many runs train at once while the others wait their turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -61,6 +68,10 @@ class Training:
     progress_every: int = 5
     rendezvous_s: float = 1.0
     snapshot_bytes: int = 256 * 2**20
+    # Each step due at a fixed time from the run's start, however long the reports before
+    # it took to be answered (a script's steps do not wait for its agent's reports); by
+    # default a step starts once the report before it was answered.
+    fixed_clock: bool = False
 
 
 # What a registration waits for its answer by default: longer than the agents' 5 s, since
@@ -102,6 +113,7 @@ class FleetStats:
     runs_stopped: int = 0
     jobs_placed: set[int] = field(default_factory=set)
     running: int = 0  # runs under way now: the load the fleet offers follows it
+    waiting: int = 0  # runs assigned that wait for their turn to train (``turns``)
 
     @property
     def heartbeat_ms(self) -> list[float]:
@@ -117,7 +129,8 @@ class FleetStats:
     def reset(self) -> None:
         """Forget everything seen so far: the measurement starts now (runs under way go
         on)."""
-        for name, value in vars(FleetStats(running=self.running)).items():
+        kept = FleetStats(running=self.running, waiting=self.waiting)
+        for name, value in vars(kept).items():
             setattr(self, name, value)
 
 
@@ -145,13 +158,18 @@ class SimNode:
         training: Training,
         rendezvous: Rendezvous,
         stats: FleetStats,
+        turns: asyncio.Semaphore | None = None,
     ) -> None:
+        """``turns``, shared by the fleet: how many of its runs may train at once; a run
+        assigned beyond them waits (as one whose rendezvous is slow), still reported in
+        the node's heartbeats. None: every run trains as soon as it is assigned."""
         self.name = name
         self._http = http
         self._enrolment_token = enrolment_token
         self._training = training
         self._rendezvous = rendezvous
         self._stats = stats
+        self._turns = turns
         self._node_id = 0
         self._token = ""
         self._interval_s = 1.0
@@ -277,9 +295,13 @@ class SimNode:
     async def _run(self, key: RunKey, members: int) -> None:
         """One run of an attempt on this node, from rendezvous to exit."""
         attempt_id, _ = key
-        self._stats.running += 1
         try:
-            await self._train(key, members)
+            async with self._turn():
+                self._stats.running += 1
+                try:
+                    await self._train(key, members)
+                finally:
+                    self._stats.running -= 1
         except asyncio.CancelledError:
             if not self._closing:
                 self._stats.runs_stopped += 1
@@ -289,15 +311,41 @@ class SimNode:
         except _Fenced:
             self._stats.runs_fenced += 1
         finally:
-            self._stats.running -= 1
             self._finished.add(key)
             self._runs.pop(attempt_id, None)
             self._held.pop(key, None)
             self._next_report.pop(key, None)
 
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """Hold one of the fleet's ``turns`` (none to hold: at once)."""
+        if self._turns is None:
+            yield
+            return
+        self._stats.waiting += 1
+        try:
+            await self._turns.acquire()
+        finally:
+            self._stats.waiting -= 1
+        try:
+            yield
+        finally:
+            self._turns.release()
+
     async def _train(self, key: RunKey, members: int) -> None:
         training, attempt_id = self._training, key[0]
         self._rendezvous.join(attempt_id, self.name)
+        began = time.monotonic()
+
+        async def step_done(steps: int) -> None:
+            """Until ``steps`` steps after the rendezvous are done: on the run's clock, or
+            one step from now."""
+            if training.fixed_clock:
+                due = began + training.rendezvous_s + steps * training.step_s
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+            else:
+                await asyncio.sleep(training.step_s)
+
         await asyncio.sleep(training.rendezvous_s)
         rank, nodes = self._rendezvous.rank(attempt_id, self.name)
         world = max(nodes, members)
@@ -306,13 +354,16 @@ class SimNode:
         )
         if rank != 0:
             await self._report(key, events=[rdzv])
-            await asyncio.sleep(training.steps * training.step_s)
+            if training.fixed_clock:
+                await step_done(training.steps)
+            else:
+                await asyncio.sleep(training.steps * training.step_s)
             await self._exit(key)
             return
         started = TrainingStarted(world_size=world, restart_count=0, total_steps=training.steps)
         await self._report(key, events=[rdzv, started], logs=["training started"])
         for step in range(1, training.steps + 1):
-            await asyncio.sleep(training.step_s)
+            await step_done(step)
             events: list[Any] = []
             if step % training.progress_every == 0:
                 loss = 1.0 / step

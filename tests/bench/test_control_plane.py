@@ -19,6 +19,7 @@ from bench.control_plane import (
     _by_label,
     during_stalls,
     histogram_quantile,
+    paired,
     poll,
     print_table,
     run,
@@ -258,3 +259,26 @@ def test_a_slow_heartbeat_is_counted_with_a_stall_of_the_bench_it_overlapped() -
     # The fast heartbeat under way in the first stall is not one of the slowest.
     assert during_stalls(beats, 1000.0, lags) == 0
     assert during_stalls([], 100.0, lags) == 0
+
+
+def test_a_pair_runs_in_turn_and_names_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str | None] = []
+
+    def fake_run(options: Options) -> dict[str, object]:
+        ran.append(options.code)
+        return {"run": len(ran)}
+
+    monkeypatch.setattr("bench.control_plane.run", fake_run)
+    given = Options(runs_at_once=50)
+    runs = paired(given, {"code": "/old"}, ("old", "this tree"), rounds=3)
+    # Baseline first, then in turn, so that a drifting machine weighs on both alike.
+    assert ran == ["/old", None, None, "/old", "/old", None]
+    assert runs == {
+        "old (1)": {"run": 1},
+        "old (2)": {"run": 4},
+        "old (3)": {"run": 5},
+        "this tree (1)": {"run": 2},
+        "this tree (2)": {"run": 3},
+        "this tree (3)": {"run": 6},
+    }
+    assert paired(given, {}, ("a", "b"), rounds=1) == {"a": {"run": 7}, "b": {"run": 8}}
