@@ -3,6 +3,8 @@ answer is rendered once per change."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -89,13 +91,12 @@ def test_an_answer_that_starts_an_attempt_holds_the_node_s_row_until_its_tokens_
     assert len(committed) == 1  # the record and the token, together
 
 
-@pytest.mark.postgres
-@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_on_postgresql_a_heartbeat_can_still_be_a_transaction_of_two(
+@contextmanager
+def _placed(
     settings: ControllerSettings, clock: FakeClock
-) -> None:
-    """``heartbeat_one_statement`` off: as on SQLite; what it answers is the same."""
-    settings = settings.model_copy(update={"heartbeat_one_statement": False})
+) -> Iterator[tuple[Cluster, int, dict[str, Any]]]:
+    """An app of ``settings`` with one node, given one job's assignment by its first
+    heartbeat: its client, the node's id, the assignment."""
     app = create_app(settings, clock=clock, run_background=False)
     with Cluster(app) as api:
         api.node_tokens, api.name_tokens = {}, {}
@@ -105,6 +106,20 @@ def test_on_postgresql_a_heartbeat_can_still_be_a_transaction_of_two(
         submit(api, "1")
         reconciler.run_once()
         [assignment] = heartbeat(api, node_id)
+        yield api, node_id, assignment
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_on_postgresql_a_heartbeat_can_still_be_a_transaction_of_two(
+    settings: ControllerSettings, clock: FakeClock
+) -> None:
+    """``heartbeat_one_statement`` off: as on SQLite; what it answers is the same."""
+    with _placed(settings.model_copy(update={"heartbeat_one_statement": False}), clock) as (
+        api,
+        node_id,
+        assignment,
+    ):
         assert assignment["worker_token"]
         with statements(*engines_of(api.app)) as sent, commits(*engines_of(api.app)) as committed:
             [again] = running(api, node_id, [assignment["attempt_id"]])
@@ -122,15 +137,8 @@ def test_on_postgresql_a_heartbeat_s_commit_waits_for_the_disk_only_if_asked(
     """By default the one statement runs on a pool of its own whose commits do not wait
     for the server's flush; every other write's still do. What it answers is the same."""
     settings = settings.model_copy(update={"heartbeat_synchronous_commit": synchronous})
-    app = create_app(settings, clock=clock, run_background=False)
-    with Cluster(app) as api:
-        api.node_tokens, api.name_tokens = {}, {}
-        api.user_token = api.add_user("root", Role.ADMIN)
-        reconciler = Reconciler(app.state.session_factory, settings, clock)
-        node_id = register(api, "a")
-        submit(api, "1")
-        reconciler.run_once()
-        [assignment] = heartbeat(api, node_id)
+    with _placed(settings, clock) as (api, node_id, assignment):
+        app = api.app
         with statements(*engines_of(app)) as sent:
             [again] = running(api, node_id, [assignment["attempt_id"]])
         assert again == {**assignment, "worker_token": None}
