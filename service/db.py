@@ -176,8 +176,7 @@ def make_engine(
     waits for one to be returned (``TimeoutError`` after 30 s). On PostgreSQL a pooled
     connection idle for more than ``ping_after_idle_s`` (0: any) is pinged before it is
     lent (``ping_idle_connections``), and without ``synchronous_commit`` its commits do
-    not wait for the server to flush them to disk (PostgreSQL's ``synchronous_commit =
-    off``: a server crash may lose the last commits, never half of one)."""
+    not wait for the server to flush them to disk (``_commits_without_flush``)."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -186,10 +185,26 @@ def make_engine(
         return engine
     # Last in, first out: the connections a steady load keeps busy are lent again within
     # ``ping_after_idle_s``; the others sit idle, and are pinged when next lent.
-    options = {} if synchronous_commit else {"options": "-c synchronous_commit=off"}
-    engine = create_engine(url, pool_use_lifo=True, connect_args=options, **_pool_size(connections))
+    engine = create_engine(url, pool_use_lifo=True, **_pool_size(connections))
     ping_idle_connections(engine, ping_after_idle_s)
+    if not synchronous_commit:
+        event.listen(engine, "connect", _commits_without_flush)
     return engine
+
+
+def _commits_without_flush(dbapi_connection: Any, _record: Any) -> None:
+    """Set a new PostgreSQL connection's ``synchronous_commit`` off for its session: its
+    commits return before the server has flushed them to disk (a crash of the server may
+    lose the last of them, never half of one). A statement of its own rather than the
+    connection's ``options``, which would replace whatever options the database URL or
+    ``PGOPTIONS`` give (a ``search_path``, a ``statement_timeout``)."""
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET synchronous_commit = off")
+    finally:
+        dbapi_connection.autocommit = autocommit
 
 
 def ping_idle_connections(engine: Engine, after_s: float) -> None:

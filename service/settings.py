@@ -85,13 +85,17 @@ class ControllerSettings(BaseSettings):
         default=False,
         description="On PostgreSQL, whether a heartbeat's one statement "
         "(heartbeat_one_statement) waits for the server to flush its commit to disk. It "
-        "writes only when its node was heard from (and that the node's registration key is "
-        "spent), which the node's next heartbeat writes again: a server crash may lose those "
-        "of its last three wal_writer_delay (600 ms by default), within any node timeout. "
-        "Off, a heartbeat does not wait for the disk, nor queue behind a slow flush; every "
-        "other write "
+        "writes only when its node was heard from (its GPUs' use, the interval it was told, "
+        "and that its registration key is spent), which the node's next heartbeat writes "
+        "again: a crash of the server may lose those of its last three wal_writer_delay "
+        "(600 ms by default), within any node timeout; a failover to a standby may lose what "
+        "had not reached it. Off, a heartbeat does not wait for the disk, nor queue behind a "
+        "slow flush; every other write "
         "(memberships, tokens, reports, jobs) waits for it as before. Its connections are a "
-        "pool of their own, of as many as the heartbeats' threads",
+        "pool of their own, of one per heartbeat thread (none with heartbeat_threads 0: "
+        "heartbeats then share the main pool, and wait). Set it true behind a pooler that "
+        "lends server connections a transaction at a time (PgBouncer's transaction mode): "
+        "there a session's setting stays with the server connection, whoever borrows it next",
     )
     heartbeat_threads: int = Field(
         default=8,

@@ -247,15 +247,18 @@ def create_app(
 def _heartbeat_engine(settings: ControllerSettings, engine: Engine) -> Engine | None:
     """The engine of a heartbeat's one statement (``heartbeats.OneStatement``): None where
     there is none (turned off, or SQLite); ``engine`` itself where its commits wait for
-    the disk (``heartbeat_synchronous_commit``), else a pool of its own whose commits do
-    not, of a connection for each thread that answers heartbeats."""
+    the disk (``heartbeat_synchronous_commit``) or heartbeats share the API's threads
+    (``heartbeat_threads`` 0, a pool as large as the API's would be needed), else a pool
+    of its own whose commits do not wait, of a connection for each heartbeat thread."""
     if not settings.heartbeat_one_statement or not OneStatement.serves(engine):
         return None
-    if settings.heartbeat_synchronous_commit:
+    if settings.heartbeat_synchronous_commit or settings.heartbeat_threads == 0:
         return engine
-    threads = settings.heartbeat_threads or settings.api_threads
     return make_engine(
-        settings.db_url, threads, settings.database_ping_after_idle_s, synchronous_commit=False
+        settings.db_url,
+        settings.heartbeat_threads,
+        settings.database_ping_after_idle_s,
+        synchronous_commit=False,
     )
 
 

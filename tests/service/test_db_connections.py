@@ -106,3 +106,21 @@ def test_the_api_answers_503_on_a_connection_the_server_closed_then_serves(
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"] == "1"
         assert client.get("/api/v1/jobs", headers=auth).status_code == 200
+
+
+def test_a_pool_that_does_not_wait_for_the_disk_keeps_the_url_s_own_options(
+    pg_database: str,
+) -> None:
+    """``synchronous_commit`` off is set by a statement of its own, not by the connection's
+    ``options``, which would drop those the URL gives (a ``search_path``, a timeout)."""
+    url = f"{pg_database}?options=-c%20statement_timeout%3D4321"
+    engine = make_engine(url, 2, synchronous_commit=False)
+    try:
+        for _ in range(2):  # a new connection, then one lent again
+            with engine.connect() as conn:
+                assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == "off"
+                assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "4321ms"
+                conn.execute(text("SELECT 1"))
+                conn.commit()
+    finally:
+        engine.dispose()

@@ -73,18 +73,25 @@ def test_an_answer_that_starts_an_attempt_holds_the_node_s_row_until_its_tokens_
 ) -> None:
     """On PostgreSQL the one statement finds an assignment the node does not run, and the
     heartbeat is recorded again in a transaction that locks the node's row before the
-    worker token is written: of two overlapping heartbeats the later one's token stays."""
+    worker token is written: of two overlapping heartbeats the later one's token stays.
+    That transaction is the main pool's, whose commits wait for the disk."""
     node_id = register(api, "a")
     submit(api, "1")
     reconciler.run_once()
-    with statements(*engines_of(api.app)) as sent, commits(*engines_of(api.app)) as committed:
+    main = engine_of(api)
+    with (
+        statements(*engines_of(api.app)) as sent,
+        statements(main) as on_main,
+        commits(main) as committed,
+    ):
         [assignment] = heartbeat(api, node_id)
     assert assignment["worker_token"]
     # Not SQLite's BEGIN, sent as SQL, nor the count of ALIVE nodes for the pace.
     work = [s for s in sent if not s.startswith(("BEGIN", "SELECT count(*)"))]
-    if engine_of(api).dialect.name == "postgresql":
+    if main.dialect.name == "postgresql":
         assert work[0].startswith("WITH"), sent
         work = work[1:]
+    assert [s for s in on_main if not s.startswith(("BEGIN", "SELECT count(*)"))] == work
     recorded = work[0].startswith("UPDATE nodes")
     token_written = any(s.startswith("UPDATE attempt_members") for s in work[1:])
     assert recorded and token_written, sent
@@ -138,22 +145,29 @@ def test_on_postgresql_a_heartbeat_s_commit_waits_for_the_disk_only_if_asked(
     for the server's flush; every other write's still do. What it answers is the same."""
     settings = settings.model_copy(update={"heartbeat_synchronous_commit": synchronous})
     with _placed(settings, clock) as (api, node_id, assignment):
-        app = api.app
-        with statements(*engines_of(app)) as sent:
+        main = engine_of(api)
+        beating = api.app.state.heartbeat_one_statement.engine
+        assert (beating.pool is main.pool) == synchronous
+        with statements(main) as on_main, statements(beating) as on_beating:
             [again] = running(api, node_id, [assignment["attempt_id"]])
         assert again == {**assignment, "worker_token": None}
-        assert [s.split()[0] for s in sent] == ["WITH"], sent
-        engines = engines_of(app)
-        assert len(engines) == (1 if synchronous else 2)
-        flushes = []
-        for engine in engines:
+        assert [s.split()[0] for s in on_beating] == ["WITH"], on_beating
+        if not synchronous:
+            assert on_main == []
+
+        def flushing(engine: Engine) -> tuple[str, str]:
+            """The setting of a connection of ``engine``, and the server's for a session."""
             with engine.connect() as conn:
-                flushes.append(conn.exec_driver_sql("SHOW synchronous_commit").scalar_one())
-        assert flushes == (["on"] if synchronous else ["on", "off"])
-        beating = app.state.heartbeat_one_statement.engine
-        with beating.connect() as conn:  # the heartbeats' pool, whichever it is
-            shown = conn.exec_driver_sql("SHOW synchronous_commit").scalar_one()
-        assert shown == ("on" if synchronous else "off")
+                shown = conn.exec_driver_sql("SHOW synchronous_commit").scalar_one()
+                default = conn.exec_driver_sql(
+                    "SELECT reset_val FROM pg_settings WHERE name = 'synchronous_commit'"
+                ).scalar_one()
+            return shown, default
+
+        shown, default = flushing(main)
+        assert shown == default  # every other write waits as the server says
+        shown, default = flushing(beating)
+        assert shown == (default if synchronous else "off")
 
 
 def test_an_answer_is_rendered_once_until_the_attempt_changes(
