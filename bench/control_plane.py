@@ -85,6 +85,14 @@ PYTHON_GC_YOUNG_THRESHOLD = gc.get_threshold()[0]
 READER_CONNECTIONS_MAX = 64
 # The API threads that several API processes share out (the controller's default for one).
 API_THREADS_SHARED = 40
+# What the controller's processes may hold of PostgreSQL's connections (100, less the 3 kept
+# for superusers): each API process a pool of its API threads, its heartbeat threads and 4,
+# and a pool of its heartbeat threads' own (their commits do not wait for the disk); the
+# reconciler's process 4. At the controller's 8 heartbeat threads.
+PG_CONNECTIONS = 97
+HEARTBEAT_THREADS = 8
+API_PROCESS_CONNECTIONS_BESIDE_THREADS = 2 * HEARTBEAT_THREADS + 4
+RECONCILER_CONNECTIONS = 4
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
 RECONCILE_P99_TARGET_MS = 100.0
 HEARTBEAT_P99_TARGET_MS = 50.0
@@ -168,10 +176,10 @@ class ReadPhase:
 
 
 # The tree this bench is in. The controller and every process it starts import their code
-# from it (``PYTHONPATH``), so that the bench run from a checkout of other code (a ``git
-# worktree`` of the commit before) measures that code in every process: the reconciler's
-# process and the API's helpers start with ``python -P``, which leaves the working directory
-# off the path, and would import what the environment has installed.
+# from it (``PYTHONPATH``), or from ``--baseline-code``'s for that run, so that every
+# process runs the code meant: the reconciler's process and the API's helpers start with
+# ``python -P``, which leaves the working directory off the path, and would import what the
+# environment has installed.
 CODE_ROOT = Path(__file__).resolve().parents[1]
 
 # The phases of a pass (``relaunch_reconcile_phase_seconds``): its lease, reading the
@@ -381,7 +389,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
     result["setup"]["registrations"] = vars(registrations)
     result["offered"] = offered(stats, running, wall)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
-    result["code"] = {"root": str(CODE_ROOT), "processes_by_root": code}
+    result["code"] = {"root": options.code or str(CODE_ROOT), "processes_by_root": code}
     late_ms = [lag for _, lag in lags]
     result["heartbeat"]["tail"]["during_own_stalls"] = during_stalls(
         stats.heartbeat_sent, result["heartbeat"]["p99_ms"], lags
@@ -1428,8 +1436,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.runs_at_once is not None and args.runs_at_once < 1:
         parser.error("--runs-at-once must be at least 1")
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    chosen = [flag for flag in BASELINES if getattr(args, flag)]
+    if len(chosen) + (args.baseline_code is not None) > 1:
+        parser.error("one --baseline-* at a time")
+    if args.rounds < 1 or (args.rounds > 1 and not chosen and args.baseline_code is None):
+        parser.error("--rounds N: at least 1, and more only with a --baseline-*")
     if args.baseline_code is not None:
         args.baseline_code = args.baseline_code.resolve()
         if not (args.baseline_code / "service" / "__init__.py").is_file():
@@ -1439,7 +1450,21 @@ def main(argv: list[str] | None = None) -> None:
         api_processes = 2
     api_threads = args.api_threads
     if api_threads is None and api_processes is not None and api_processes > 1:
-        api_threads = max(8, API_THREADS_SHARED // api_processes)
+        fits = (PG_CONNECTIONS - RECONCILER_CONNECTIONS) // api_processes
+        api_threads = max(
+            2,
+            min(API_THREADS_SHARED // api_processes, fits - API_PROCESS_CONNECTIONS_BESIDE_THREADS),
+        )
+    if args.db == "postgresql":
+        needed = (api_processes or 1) * (
+            (api_threads or API_THREADS_SHARED) + API_PROCESS_CONNECTIONS_BESIDE_THREADS
+        ) + RECONCILER_CONNECTIONS
+        if needed > PG_CONNECTIONS:
+            parser.error(
+                f"{api_processes or 1} API processes of {api_threads or API_THREADS_SHARED} "
+                f"threads may hold {needed} of PostgreSQL's connections, more than its "
+                f"{PG_CONNECTIONS}: give fewer --api-processes or --api-threads"
+            )
     options = Options(
         nodes=args.nodes,
         jobs=args.jobs,
@@ -1458,7 +1483,6 @@ def main(argv: list[str] | None = None) -> None:
         gc_young_threshold=args.gc_young_threshold,
         runs_at_once=args.runs_at_once,
     )
-    chosen = [flag for flag in BASELINES if getattr(args, flag)]
     runs: dict[str, dict[str, Any]]
     side_by_side: Callable[[dict[str, dict[str, Any]]], None] | None
     baseline_code: Path | None = args.baseline_code
@@ -1469,7 +1493,7 @@ def main(argv: list[str] | None = None) -> None:
             side_by_side = _same_load("the controller's code there or here")
         else:
             changes, names, side_by_side = BASELINES[chosen[0]]
-        runs = paired(options, changes, names, args.rounds)
+        runs = paired(options, changes, names, args.rounds, functools.partial(_write, args.json))
     else:
         runs = {"": run(options)}
         side_by_side = None
@@ -1477,31 +1501,46 @@ def main(argv: list[str] | None = None) -> None:
         print_table(result)
     if side_by_side is not None:
         side_by_side(runs)
-    if args.json is not None:
-        written = runs[""] if side_by_side is None else runs
-        args.json.write_text(json.dumps(_finite(written), indent=2) + "\n")
+    _write(args.json, runs[""] if side_by_side is None else runs)
+
+
+def _write(path: Path | None, results: dict[str, Any]) -> None:
+    """``results`` as JSON to ``path`` (none: nowhere)."""
+    if path is not None:
+        path.write_text(json.dumps(_finite(results), indent=2) + "\n")
 
 
 def paired(
-    options: Options, changes: dict[str, Any], names: tuple[str, str], rounds: int
+    options: Options,
+    changes: dict[str, Any],
+    names: tuple[str, str],
+    rounds: int,
+    after_each: Callable[[dict[str, dict[str, Any]]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The baseline (``options`` with ``changes``) and ``options`` itself, ``rounds`` times,
     in turn (baseline, given; then given, baseline; ...), so that a machine that drifts
     over the runs weighs on both alike. Named ``names``, numbered when ``rounds`` > 1; the
-    baseline's runs first."""
+    baseline's runs first. ``after_each`` is given the runs so far after each one (a run
+    that fails later loses none of them)."""
     baseline, given = names
     ran: dict[str, list[dict[str, Any]]] = {baseline: [], given: []}
+
+    def named() -> dict[str, dict[str, Any]]:
+        if rounds == 1:
+            return {name: results[0] for name, results in ran.items() if results}
+        return {
+            f"{name} ({i})": result
+            for name, results in ran.items()
+            for i, result in enumerate(results, start=1)
+        }
+
     for round_ in range(rounds):
         order = [(baseline, changes), (given, {})]
         for name, change in order[:: -1 if round_ % 2 else 1]:
             ran[name].append(run(replace(options, **change)))
-    if rounds == 1:
-        return {name: results[0] for name, results in ran.items()}
-    return {
-        f"{name} ({i})": result
-        for name, results in ran.items()
-        for i, result in enumerate(results, start=1)
-    }
+            if after_each is not None:
+                after_each(named())
+    return named()
 
 
 # A figure's label, and how it reads from one run's results.

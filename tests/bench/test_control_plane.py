@@ -19,6 +19,7 @@ from bench.control_plane import (
     _by_label,
     during_stalls,
     histogram_quantile,
+    main,
     paired,
     poll,
     print_table,
@@ -270,9 +271,14 @@ def test_a_pair_runs_in_turn_and_names_each_run(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr("bench.control_plane.run", fake_run)
     given = Options(runs_at_once=50)
-    runs = paired(given, {"code": "/old"}, ("old", "this tree"), rounds=3)
+    so_far: list[list[str]] = []
+    runs = paired(
+        given, {"code": "/old"}, ("old", "this tree"), 3, lambda r: so_far.append(list(r))
+    )
     # Baseline first, then in turn, so that a drifting machine weighs on both alike.
     assert ran == ["/old", None, None, "/old", "/old", None]
+    assert [len(names) for names in so_far] == [1, 2, 3, 4, 5, 6]  # told after each run
+    assert so_far[2] == ["old (1)", "this tree (1)", "this tree (2)"]
     assert runs == {
         "old (1)": {"run": 1},
         "old (2)": {"run": 4},
@@ -282,3 +288,22 @@ def test_a_pair_runs_in_turn_and_names_each_run(monkeypatch: pytest.MonkeyPatch)
         "this tree (3)": {"run": 6},
     }
     assert paired(given, {}, ("a", "b"), rounds=1) == {"a": {"run": 7}, "b": {"run": 8}}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rounds", "2"],  # rounds of no pair
+        ["--baseline-same", "--baseline-no-gc-freeze"],  # two pairs at once
+        ["--baseline-code", "/nonexistent"],  # no code there
+        ["--runs-at-once", "0"],
+        ["--db", "postgresql", "--api-processes", "4", "--api-threads", "40"],  # too many
+    ],
+)
+def test_the_bench_refuses_options_it_cannot_honour(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err

@@ -86,7 +86,9 @@ async def _serve(
 
 def test_runs_beyond_the_fleets_turns_wait_and_train_one_after_another() -> None:
     controller = _Controller()
-    training = Training(steps=4, step_s=0.05, progress_every=2, rendezvous_s=0.0)
+    # Each run trains 0.8 s: every node is assigned its run (within 0.2 s of the start)
+    # before the first one ends.
+    training = Training(steps=4, step_s=0.2, progress_every=2, rendezvous_s=0.0)
     stats, waiting = asyncio.run(_serve(controller, training, 3, asyncio.Semaphore(1)))
     assert stats.runs_succeeded == 3 and stats.running == stats.waiting == 0
     assert max(waiting) == 2  # one run trains, the other two wait
