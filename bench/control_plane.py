@@ -71,6 +71,7 @@ from bench.status_load import quantile
 from service.api_processes import PROCESS_NAME as API_HELPER_NAME
 from service.gc_pauses import CollectionTimer
 from service.local_cluster import LocalCluster, free_port
+from service.settings import RESERVED_CONNECTIONS, ControllerSettings
 from worker.client import KEEP_ALIVE_S
 
 console = Console()
@@ -86,13 +87,14 @@ READER_CONNECTIONS_MAX = 64
 # The API threads that several API processes share out (the controller's default for one).
 API_THREADS_SHARED = 40
 # What the controller's processes may hold of PostgreSQL's connections (100, less the 3 kept
-# for superusers): each API process a pool of its API threads, its heartbeat threads and 4,
-# and a pool of its heartbeat threads' own (their commits do not wait for the disk); the
-# reconciler's process 4. At the controller's 8 heartbeat threads.
+# for superusers): each API process a pool of its API threads, its heartbeat threads and
+# ``RESERVED_CONNECTIONS``, and a pool of its heartbeat threads' own (their commits do not
+# wait for the disk); the reconciler's process ``RESERVED_CONNECTIONS``. At the
+# controller's default heartbeat threads.
 PG_CONNECTIONS = 97
-HEARTBEAT_THREADS = 8
-API_PROCESS_CONNECTIONS_BESIDE_THREADS = 2 * HEARTBEAT_THREADS + 4
-RECONCILER_CONNECTIONS = 4
+HEARTBEAT_THREADS: int = ControllerSettings.model_fields["heartbeat_threads"].default
+API_PROCESS_CONNECTIONS_BESIDE_THREADS = 2 * HEARTBEAT_THREADS + RESERVED_CONNECTIONS
+RECONCILER_CONNECTIONS = RESERVED_CONNECTIONS
 # The issue's targets, at 1,000 nodes and 10,000 jobs on PostgreSQL.
 RECONCILE_P99_TARGET_MS = 100.0
 HEARTBEAT_P99_TARGET_MS = 50.0
@@ -1683,7 +1685,7 @@ def _split(beats: dict[str, Any]) -> str:
 
 def _waiting(result: dict[str, Any]) -> str:
     load = result["offered"]
-    if "runs_waiting_mean" not in load or not result["options"].get("runs_at_once"):
+    if not result["options"]["runs_at_once"]:
         return "- (closed loop)"
     return f"{load['runs_waiting_mean']:.0f} ({load['runs_waiting_min']})"
 

@@ -336,15 +336,18 @@ class SimNode:
         training, attempt_id = self._training, key[0]
         self._rendezvous.join(attempt_id, self.name)
         began = time.monotonic()
+        done = 0  # steps done
 
         async def step_done(steps: int) -> None:
             """Until ``steps`` steps after the rendezvous are done: on the run's clock, or
-            one step from now."""
+            those not done yet from now."""
+            nonlocal done
             if training.fixed_clock:
                 due = began + training.rendezvous_s + steps * training.step_s
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
             else:
-                await asyncio.sleep(training.step_s)
+                await asyncio.sleep((steps - done) * training.step_s)
+            done = steps
 
         await asyncio.sleep(training.rendezvous_s)
         rank, nodes = self._rendezvous.rank(attempt_id, self.name)
@@ -354,10 +357,7 @@ class SimNode:
         )
         if rank != 0:
             await self._report(key, events=[rdzv])
-            if training.fixed_clock:
-                await step_done(training.steps)
-            else:
-                await asyncio.sleep(training.steps * training.step_s)
+            await step_done(training.steps)
             await self._exit(key)
             return
         started = TrainingStarted(world_size=world, restart_count=0, total_steps=training.steps)
