@@ -168,6 +168,15 @@ class Options:
     # The tree the controller imports its code from (a checkout of another commit, for
     # ``--baseline-code``); None: this bench's own, ``CODE_ROOT``.
     code: str | None = None
+    # The cores the controller's processes run on, and no other process of the bench's:
+    # the simulated fleet, its readers and PostgreSQL's server run on the machine's others
+    # (``cores_apart``), as a controller's host is apart from its fleet's and its
+    # database's. None: every process on every core.
+    controller_cores: tuple[int, ...] | None = None
+    # ``Training.step_spread`` of the simulated runs: each attempt's steps last ``step_s``
+    # times a factor of its own within 1 -/+ this, so that runs end and start spread over
+    # time rather than in waves. 0: every run the same length.
+    step_spread: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -249,13 +258,82 @@ def started_controller(options: Options, work: Path, metrics_token: str) -> Iter
     (work / "controller").mkdir(mode=0o700, parents=True, exist_ok=True)
     cluster = LocalCluster(data_dir=work / "controller", port=free_port())
     try:
-        cluster.start_controller(env)
-        yield cluster
+        with cores_apart(options.controller_cores, database_processes) as controller_side:
+            with controller_side():
+                cluster.start_controller(env)
+            yield cluster
     finally:
         cluster.stop_all()
         if database is not None:
             with psycopg.connect(options.pg_admin_url, autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def database_processes() -> list[psutil.Process]:
+    """The PostgreSQL server's processes living now: its postmaster (whose new backends
+    are forked with its affinity) and its backends."""
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"]
+
+
+def split_cores(chosen: Iterable[int], allowed: Iterable[int]) -> tuple[set[int], set[int]]:
+    """``chosen`` cores for the controller and the rest of ``allowed`` for everything
+    else; refused (ValueError, with what to change) unless both sides have a core."""
+    mine, every = set(chosen), set(allowed)
+    if not mine:
+        raise ValueError("give at least one core to the controller")
+    if not mine <= every:
+        raise ValueError(
+            f"cores {sorted(mine - every)} are not this process's to use "
+            f"(it may run on {sorted(every)})"
+        )
+    if not every - mine:
+        raise ValueError(
+            f"no core left for the fleet and the database: give the controller fewer than "
+            f"all of {sorted(every)}"
+        )
+    return mine, every - mine
+
+
+@contextmanager
+def cores_apart(
+    controller_cores: Iterable[int] | None,
+    others: Callable[[], Iterable[psutil.Process]] = database_processes,
+) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+    """The controller on ``controller_cores`` and everything else on the other cores.
+
+    Yields a context manager to start the controller in: within it this process runs on
+    the controller's cores, so that the controller and every process it forks inherit
+    them; outside it, this process (the simulated fleet, and the readers it starts) and
+    the ``others`` (the database's server) run on the rest. Every affinity is put back
+    on leaving. With no ``controller_cores``, nothing is moved."""
+    if controller_cores is None:
+        yield contextlib.nullcontext
+        return
+    allowed = os.sched_getaffinity(0)
+    mine, rest = split_cores(controller_cores, allowed)
+    moved: list[tuple[psutil.Process, list[int]]] = []
+
+    @contextmanager
+    def controller_side() -> Iterator[None]:
+        os.sched_setaffinity(0, mine)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, rest)
+
+    os.sched_setaffinity(0, rest)
+    try:
+        for process in others():
+            with contextlib.suppress(psutil.Error):
+                before = process.cpu_affinity()
+                process.cpu_affinity(sorted(rest))
+                moved.append((process, before))
+        yield controller_side
+    finally:
+        for process, before in moved:
+            with contextlib.suppress(psutil.Error):
+                process.cpu_affinity(before)
+        os.sched_setaffinity(0, allowed)
 
 
 async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) -> dict[str, Any]:
@@ -283,7 +361,9 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
         rendezvous = Rendezvous()
         token = cluster.enrolment_token
         turns = asyncio.Semaphore(options.runs_at_once) if options.runs_at_once else None
-        training = replace(options.training, fixed_clock=turns is not None)
+        training = replace(
+            options.training, fixed_clock=turns is not None, step_spread=options.step_spread
+        )
         nodes = [
             SimNode(f"sim-{i:05d}", fleet[i], token, training, rendezvous, stats, turns)
             for i in range(options.nodes)
@@ -389,7 +469,7 @@ async def _measure(cluster: LocalCluster, options: Options, metrics_token: str) 
     result["setup"]["fleet_start"] = fleet_start(*start_beats, options.settle_s)
     result["machine"] = machine
     result["setup"]["registrations"] = vars(registrations)
-    result["offered"] = offered(stats, running, wall)
+    result["offered"] = offered(stats, running, wall, start)
     result["reconcile"]["slow_passes_logged"] = slow_passes(cluster)
     result["code"] = {"root": options.code or str(CODE_ROOT), "processes_by_root": code}
     late_ms = [lag for _, lag in lags]
@@ -740,13 +820,17 @@ async def _sample_running(stats: FleetStats, until: float, into: list[tuple[int,
         await asyncio.sleep(1.0)
 
 
-def offered(stats: FleetStats, running: list[tuple[int, int]], wall: float) -> dict[str, float]:
+def offered(
+    stats: FleetStats, running: list[tuple[int, int]], wall: float, start: float
+) -> dict[str, Any]:
     """The load the fleet put on the controller. In the closed loop (the default) it is
     not fixed: a node asks for work and reports on it, so a controller that places more
     jobs (or places them on one node rather than two) gets more requests, and its latencies
     are those of a heavier load. With ``runs_at_once`` it is fixed while runs wait their
     turn (``runs_waiting_min`` above 0): then as many train whatever the controller does.
-    Heartbeats count every answer, a shed one's 503 included."""
+    Heartbeats count every answer, a shed one's 503 included. How the runs' ends fell over
+    the window's whole seconds from ``start`` (``time.monotonic``) shows whether they came
+    evenly or in waves, each a burst of exits and of the next runs' starts."""
     training = [r for r, _ in running]
     waiting = [w for _, w in running]
     return {
@@ -759,6 +843,28 @@ def offered(stats: FleetStats, running: list[tuple[int, int]], wall: float) -> d
         else float("nan"),
         "reports_per_s": len(stats.report_sent) / wall,
         "heartbeats_per_s": len(stats.heartbeat_sent) / wall,
+        "runs_ended_per_second": per_second(stats.run_ended, start, wall),
+    }
+
+
+def per_second(times: Iterable[float], start: float, wall: float) -> dict[str, float]:
+    """How many of ``times`` fell in each whole second from ``start`` within ``wall``
+    seconds: the median second's and the busiest's, and the share of all in the busiest
+    fifth of the seconds (a fifth: even; all: every one in a fifth of the time)."""
+    seconds = int(wall)
+    counts = [0] * seconds
+    for when in times:
+        second = int(when - start)
+        if 0 <= second < seconds:
+            counts[second] += 1
+    if not seconds:
+        return {}
+    counts.sort()
+    busiest = counts[-max(1, seconds // 5) :]
+    return {
+        "p50": quantile([float(c) for c in counts], 0.5),
+        "max": float(counts[-1]),
+        "busiest_fifth_share": sum(busiest) / sum(counts) if sum(counts) else float("nan"),
     }
 
 
@@ -1243,6 +1349,13 @@ def print_table(result: dict[str, Any]) -> None:
             if o.get("runs_at_once")
             else ""
         )
+        + (
+            f"; runs ended a second: median {ends['p50']:.0f}, most {ends['max']:.0f}, "
+            f"{100 * ends['busiest_fifth_share']:.0f} % of them in the busiest fifth of the "
+            f"seconds (steps spread {o.get('step_spread', 0):g})"
+            if (ends := load.get("runs_ended_per_second"))
+            else ""
+        )
     )
     machine = result["machine"]
     console.print(
@@ -1331,6 +1444,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=20, help="steps of each simulated run")
     parser.add_argument("--step-s", type=float, default=0.5, help="seconds per simulated step")
+    parser.add_argument(
+        "--step-spread",
+        type=float,
+        default=Options.step_spread,
+        help="each simulated attempt's steps last --step-s times a factor of its own, drawn "
+        "from 1 -/+ this, the same mean, so that runs do not end and start in waves (0: every "
+        "run the same length)",
+    )
+    parser.add_argument(
+        "--baseline-lockstep",
+        action="store_true",
+        help="first run the same load with every simulated run the same length (--step-spread 0)",
+    )
     parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="makes the database")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--work-dir", type=Path, help="keep the controller's files and log here")
@@ -1430,12 +1556,28 @@ def main(argv: list[str] | None = None) -> None:
         help="RELAUNCH_GC_YOUNG_THRESHOLD of the controller (default: the controller's)",
     )
     parser.add_argument(
+        "--controller-cores",
+        type=_cores,
+        metavar="LIST",
+        help="run the controller's processes on these cores (comma-separated, as taskset "
+        "numbers them) and the simulated fleet, its readers and PostgreSQL's server on the "
+        "others, as if the controller's host were apart from theirs (default: every process "
+        "on every core)",
+    )
+    parser.add_argument(
+        "--baseline-shared-cores",
+        action="store_true",
+        help="with --controller-cores: first run the same load with every process on every core",
+    )
+    parser.add_argument(
         "--baseline-one-api-process",
         action="store_true",
         help="first run the same load with the API on one process (40 threads), then on "
         "--api-processes",
     )
     args = parser.parse_args(argv)
+    if not 0 <= args.step_spread < 1:
+        parser.error("--step-spread must be at least 0 and below 1 (a step takes some time)")
     if args.runs_at_once is not None and args.runs_at_once < 1:
         parser.error("--runs-at-once must be at least 1")
     chosen = [flag for flag in BASELINES if getattr(args, flag)]
@@ -1447,6 +1589,13 @@ def main(argv: list[str] | None = None) -> None:
         args.baseline_code = args.baseline_code.resolve()
         if not (args.baseline_code / "service" / "__init__.py").is_file():
             parser.error(f"--baseline-code {args.baseline_code}: no service/ package there")
+    if args.controller_cores is not None:
+        try:
+            split_cores(args.controller_cores, os.sched_getaffinity(0))
+        except ValueError as refused:
+            parser.error(f"--controller-cores: {refused}")
+    elif args.baseline_shared_cores:
+        parser.error("--baseline-shared-cores needs --controller-cores: the cores to set apart")
     api_processes = args.api_processes
     if api_processes is None and args.baseline_one_api_process:
         api_processes = 2
@@ -1484,6 +1633,8 @@ def main(argv: list[str] | None = None) -> None:
         api_threads=api_threads,
         gc_young_threshold=args.gc_young_threshold,
         runs_at_once=args.runs_at_once,
+        controller_cores=args.controller_cores,
+        step_spread=args.step_spread,
     )
     runs: dict[str, dict[str, Any]]
     side_by_side: Callable[[dict[str, dict[str, Any]]], None] | None
@@ -1504,6 +1655,17 @@ def main(argv: list[str] | None = None) -> None:
     if side_by_side is not None:
         side_by_side(runs)
     _write(args.json, runs[""] if side_by_side is None else runs)
+
+
+def _cores(text: str) -> tuple[int, ...]:
+    """``--controller-cores``: "0" or "0,2", cores numbered as taskset numbers them."""
+    try:
+        cores = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give core numbers, as 0 or 0,2") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give core numbers, as 0 or 0,2")
+    return cores
 
 
 def _write(path: Path | None, results: dict[str, Any]) -> None:
@@ -1623,6 +1785,8 @@ def print_side_by_side(
         ("runs per job placed", lambda r: f"{r['offered']['runs_per_job_placed']:.2f}"),
         ("reports answered /s", lambda r: f"{r['offered']['reports_per_s']:.0f}"),
         ("runs succeeded", lambda r: f"{r['jobs']['runs_succeeded']}"),
+        ("runs ended a second: median / most; share in the busiest fifth of the seconds",
+         _ends),
         ("nodes LOST at the end", lambda r: f"{r['nodes_by_state_at_end']['LOST']:.0f}"),
         ("report p50 / p99, nodes' side (ms)", lambda r: _pair(r["reports"])),
         ("job detail reads/s, p99 (ms)", lambda r: _reads(r, "job detail")),
@@ -1681,6 +1845,13 @@ def _split(beats: dict[str, Any]) -> str:
         f"{starting['p50_ms']:.0f} / {starting['p99_ms']:.0f}, "
         f"{others['p50_ms']:.0f} / {others['p99_ms']:.0f}"
     )
+
+
+def _ends(result: dict[str, Any]) -> str:
+    ends = result["offered"].get("runs_ended_per_second")
+    if not ends:  # none measured, or a result written before they were
+        return "-"
+    return f"{ends['p50']:.0f} / {ends['max']:.0f}; {100 * ends['busiest_fifth_share']:.0f} %"
 
 
 def _waiting(result: dict[str, Any]) -> str:
@@ -1767,6 +1938,18 @@ BASELINES: dict[
         {"hold_own_collector": False},
         ("bench collects", "bench's collector held"),
         _same_load("the simulated fleet's own garbage collector running or held"),
+    ),
+    "baseline_lockstep": (
+        {"step_spread": 0.0},
+        ("runs of one length", "runs of spread lengths"),
+        _same_load("every simulated run the same length, or each its own"),
+    ),
+    "baseline_shared_cores": (
+        {"controller_cores": None},
+        ("every core shared", "controller's cores apart"),
+        _same_load(
+            "the controller on every core, or on cores apart from the fleet's and the database's"
+        ),
     ),
     "baseline_one_api_process": (
         {"api_processes": 1, "api_threads": None},

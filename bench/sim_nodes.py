@@ -72,6 +72,20 @@ class Training:
     # it took to be answered (a script's steps do not wait for its agent's reports); by
     # default a step starts once the report before it was answered.
     fixed_clock: bool = False
+    # Each attempt's steps last ``step_s`` times a factor drawn for it from [1 - spread,
+    # 1 + spread] (``step_s_of``), the same mean. Runs of one length that start together
+    # end together, and the runs that take their turns start together again: with no
+    # spread a fleet's runs stay in waves, every run's exit and the next runs' starts in
+    # the same few seconds of each run's length, which no fleet of real jobs does.
+    step_spread: float = 0.0
+
+    def step_s_of(self, attempt_id: int) -> float:
+        """The seconds of a step of ``attempt_id``: the same on every node of the attempt
+        and in every run of the bench (drawn from the attempt's id)."""
+        if not self.step_spread:
+            return self.step_s
+        factor = random.Random(attempt_id).uniform(1 - self.step_spread, 1 + self.step_spread)
+        return self.step_s * factor
 
 
 # What a registration waits for its answer by default: longer than the agents' 5 s, since
@@ -109,6 +123,7 @@ class FleetStats:
     errors: dict[str, int] = field(default_factory=dict)
     runs_started: int = 0
     runs_succeeded: int = 0  # exit reports of "succeeded" that the controller took
+    run_ended: list[float] = field(default_factory=list)  # when each of those was sent
     runs_fenced: int = 0
     runs_stopped: int = 0
     jobs_placed: set[int] = field(default_factory=set)
@@ -334,6 +349,7 @@ class SimNode:
 
     async def _train(self, key: RunKey, members: int) -> None:
         training, attempt_id = self._training, key[0]
+        step_s = training.step_s_of(attempt_id)
         self._rendezvous.join(attempt_id, self.name)
         began = time.monotonic()
         done = 0  # steps done
@@ -343,10 +359,10 @@ class SimNode:
             those not done yet from now."""
             nonlocal done
             if training.fixed_clock:
-                due = began + training.rendezvous_s + steps * training.step_s
+                due = began + training.rendezvous_s + steps * step_s
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
             else:
-                await asyncio.sleep((steps - done) * training.step_s)
+                await asyncio.sleep((steps - done) * step_s)
             done = steps
 
         await asyncio.sleep(training.rendezvous_s)
@@ -372,8 +388,8 @@ class SimNode:
                         step=step,
                         loss=loss,
                         world_size=world,
-                        step_time_s=training.step_s,
-                        samples_per_s=64 / training.step_s,
+                        step_time_s=step_s,
+                        samples_per_s=64 / step_s,
                     )
                 )
             if step == training.steps // 2:
@@ -394,8 +410,10 @@ class SimNode:
         await self._exit(key)
 
     async def _exit(self, key: RunKey) -> None:
+        sent = time.monotonic()
         if await self._report(key, exit=AttemptExit(outcome="succeeded", exit_code=0)):
             self._stats.runs_succeeded += 1
+            self._stats.run_ended.append(sent)
 
     async def _report(
         self,

@@ -3,6 +3,9 @@ nodes, a few jobs, a few seconds."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -10,6 +13,7 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.control_plane import (
@@ -17,14 +21,17 @@ from bench.control_plane import (
     CODE_ROOT,
     Options,
     _by_label,
+    cores_apart,
     during_stalls,
     histogram_quantile,
     main,
     paired,
+    per_second,
     poll,
     print_table,
     run,
     share_within,
+    split_cores,
     tail_of,
 )
 from bench.sim_nodes import Training
@@ -135,7 +142,9 @@ def test_every_baseline_changes_fields_the_options_have() -> None:
         if flag == "baseline_same":  # the one that changes nothing, on purpose
             assert changes == {}
             continue
-        assert any(getattr(Options(), k) != v for k, v in changes.items()), flag
+        # The one pair that needs an option given (main refuses it without --controller-cores).
+        given = Options(controller_cores=(0,)) if flag == "baseline_shared_cores" else Options()
+        assert any(getattr(given, k) != v for k, v in changes.items()), flag
 
 
 class _Answers(BaseHTTPRequestHandler):
@@ -297,7 +306,14 @@ def test_a_pair_runs_in_turn_and_names_each_run(monkeypatch: pytest.MonkeyPatch)
         ["--baseline-same", "--baseline-no-gc-freeze"],  # two pairs at once
         ["--baseline-code", "/nonexistent"],  # no code there
         ["--runs-at-once", "0"],
+        ["--step-spread", "1"],  # a step of no time
+        ["--step-spread", "-0.1"],
         ["--db", "postgresql", "--api-processes", "4", "--api-threads", "40"],  # too many
+        ["--baseline-shared-cores"],  # no cores to set apart
+        ["--controller-cores", "one"],
+        ["--controller-cores", "-1"],
+        ["--controller-cores", str(max(os.sched_getaffinity(0)) + 1)],  # not this machine's
+        ["--controller-cores", ",".join(map(str, os.sched_getaffinity(0)))],  # none left over
     ],
 )
 def test_the_bench_refuses_options_it_cannot_honour(
@@ -307,3 +323,60 @@ def test_the_bench_refuses_options_it_cannot_honour(
         main(argv)
     assert exited.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_controller_is_given_the_cores_asked_for_and_the_rest_keep_the_others() -> None:
+    assert split_cores([0], [0, 1]) == ({0}, {1})
+    assert split_cores([1, 3], [0, 1, 2, 3]) == ({1, 3}, {0, 2})
+    for chosen, allowed, says in [
+        ([], [0, 1], "at least one core"),
+        ([2], [0, 1], "not this process's"),
+        ([0, 1], [0, 1], "no core left"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            split_cores(chosen, allowed)
+
+
+def _affinity_of_a_child() -> set[int]:
+    printed = subprocess.run(
+        [sys.executable, "-c", "import os; print(*sorted(os.sched_getaffinity(0)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {int(core) for core in printed.split()}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to set one apart")
+def test_what_starts_on_the_controllers_side_runs_on_its_cores_and_the_rest_on_the_others() -> None:
+    every = os.sched_getaffinity(0)
+    mine = min(every)
+    database = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stand_in = psutil.Process(database.pid)
+        with cores_apart([mine], lambda: [stand_in]) as controller_side:
+            assert os.sched_getaffinity(0) == every - {mine}  # the fleet's side
+            assert set(stand_in.cpu_affinity()) == every - {mine}
+            with controller_side():
+                assert _affinity_of_a_child() == {mine}  # a controller inherits it
+            assert _affinity_of_a_child() == every - {mine}  # a reader the fleet starts
+        assert os.sched_getaffinity(0) == every  # all put back
+        assert set(stand_in.cpu_affinity()) == every
+        with cores_apart(None) as unchanged, unchanged():  # the default moves nothing
+            assert _affinity_of_a_child() == every
+    finally:
+        database.kill()
+        database.wait()
+
+
+def test_runs_that_end_in_waves_are_told_from_runs_that_end_evenly() -> None:
+    even = per_second([100.0 + i / 2 for i in range(20)], start=100.0, wall=10.0)
+    assert even == {"p50": 2.0, "max": 2.0, "busiest_fifth_share": 0.2}
+    # The same 20 ends, all in two of the ten seconds; one before the window and one after
+    # it are left out.
+    waves = [102.1] * 10 + [107.5] * 10 + [99.0, 110.5]
+    assert per_second(waves, start=100.0, wall=10.0) == {
+        "p50": 0.0,
+        "max": 10.0,
+        "busiest_fifth_share": 1.0,
+    }

@@ -126,3 +126,36 @@ def test_on_a_fixed_clock_a_step_does_not_wait_out_a_slow_answer_as_well(
         assert max(gaps) < 0.75, gaps  # the answer's 0.5 s, not the step's 0.4 s besides
     else:
         assert min(gaps) >= 0.9, gaps
+
+
+def test_each_attempts_steps_last_a_length_of_its_own_the_same_in_every_run() -> None:
+    training = Training(step_s=0.5, step_spread=0.5)
+    lengths = [training.step_s_of(attempt) for attempt in range(1, 201)]
+    assert lengths == [training.step_s_of(attempt) for attempt in range(1, 201)]  # drawn again
+    assert all(0.25 <= length <= 0.75 for length in lengths)
+    assert len({round(length, 3) for length in lengths}) > 150  # not a few lengths
+    assert 0.45 < sum(lengths) / len(lengths) < 0.55  # the same mean
+    assert Training(step_s=0.5).step_s_of(7) == 0.5  # no spread: every run alike
+
+
+def test_runs_of_spread_lengths_report_and_keep_their_own_step_time() -> None:
+    controller = _Controller()
+    training = Training(
+        steps=4, step_s=0.2, progress_every=1, rendezvous_s=0.0, fixed_clock=True, step_spread=0.9
+    )
+    stats, _ = asyncio.run(_serve(controller, training, 3, None))
+    assert stats.runs_succeeded == 3
+    told: dict[int, set[float]] = {}
+    spans: dict[int, list[float]] = {}
+    for attempt, came, _, body in controller.reports:
+        spans.setdefault(attempt, []).append(came)
+        for event in body["events"]:  # type: ignore[attr-defined]
+            if event["kind"] == EventKind.PROGRESS:
+                told.setdefault(attempt, set()).add(event["data"]["step_time_s"])
+    assert told == {attempt: {training.step_s_of(attempt)} for attempt in (1, 2, 3)}
+    # Each run lasts at least its own four steps, from its rendezvous's report to its
+    # exit's, and the run of the longest steps lasts longest.
+    lasted = {attempt: max(came) - min(came) for attempt, came in spans.items()}
+    for attempt, seconds in lasted.items():
+        assert seconds >= 4 * training.step_s_of(attempt) - 0.01, (attempt, seconds)
+    assert max(lasted, key=lasted.__getitem__) == max((1, 2, 3), key=training.step_s_of)
