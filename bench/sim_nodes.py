@@ -122,13 +122,17 @@ class FleetStats:
     interval_told_s_max: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
     runs_started: int = 0
-    runs_succeeded: int = 0  # exit reports of "succeeded" that the controller took
-    run_ended: list[float] = field(default_factory=list)  # when each of those was sent
+    # When each exit report of "succeeded" that the controller took was sent.
+    run_ended: list[float] = field(default_factory=list)
     runs_fenced: int = 0
     runs_stopped: int = 0
     jobs_placed: set[int] = field(default_factory=set)
     running: int = 0  # runs under way now: the load the fleet offers follows it
     waiting: int = 0  # runs assigned that wait for their turn to train (``turns``)
+
+    @property
+    def runs_succeeded(self) -> int:
+        return len(self.run_ended)
 
     @property
     def heartbeat_ms(self) -> list[float]:
@@ -412,7 +416,6 @@ class SimNode:
     async def _exit(self, key: RunKey) -> None:
         sent = time.monotonic()
         if await self._report(key, exit=AttemptExit(outcome="succeeded", exit_code=0)):
-            self._stats.runs_succeeded += 1
             self._stats.run_ended.append(sent)
 
     async def _report(
