@@ -938,10 +938,9 @@ def _database_cpu() -> dict[int, float]:
     """CPU seconds of each process of the PostgreSQL server (its backends and its own),
     by pid; none on a machine without one running."""
     seconds: dict[int, float] = {}
-    for process in psutil.process_iter(["name", "cpu_times"]):
-        if process.info["name"] == "postgres" and process.info["cpu_times"] is not None:
-            times = process.info["cpu_times"]
-            seconds[process.pid] = float(times.user + times.system)
+    for process in database_processes():
+        with contextlib.suppress(psutil.Error):  # exited since, or not ours to read
+            seconds[process.pid] = _cpu(process)
     return seconds
 
 
